@@ -1,0 +1,76 @@
+"""Fused quantize-and-write of K and V into the paged NVFP4 cache (reference: reference.write_cache)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .codec import e2m1_encode, e4m3_decode, e4m3_encode
+from .format import GROUP_SIZE, PageLayout
+
+
+@triton.jit
+def _quantize_row(x_ptr, g, col, cmask):
+    """One (side, head, token) row. col [G, 8]: offsets of the even elements of each group."""
+    xe = tl.load(x_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+    xo = tl.load(x_ptr + col + 1, mask=cmask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.where(xe == xe, tl.abs(xe), 0.0), axis=1),
+                      tl.max(tl.where(xo == xo, tl.abs(xo), 0.0), axis=1))
+    s = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, 6.0), g))
+    scale = e4m3_decode(s) * g
+    r = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
+    byte = e2m1_encode(xe * r[:, None]) | (e2m1_encode(xo * r[:, None]) << 4)
+    return byte.to(tl.uint8), s
+
+
+@triton.jit
+def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+                  stride_kt, stride_kh, stride_vt, stride_vh, page_stride,
+                  H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padded token
+        return
+    G: tl.constexpr = D // 16
+    SIDE_BYTES: tl.constexpr = H * N * (D // 2 + G)
+    gi = tl.arange(0, G_PAD)
+    ii = tl.arange(0, 8)
+    col = gi[:, None] * 16 + 2 * ii[None, :]
+    cmask = (gi < G)[:, None]
+    row = h * N + slot % N
+    page = cache_ptr + (slot // N) * page_stride
+    for side in tl.static_range(2):
+        if side == 0:
+            byte, s = _quantize_row(key_ptr + t * stride_kt + h * stride_kh,
+                                    tl.load(k_scale_ptr), col, cmask)
+        else:
+            byte, s = _quantize_row(value_ptr + t * stride_vt + h * stride_vh,
+                                    tl.load(v_scale_ptr), col, cmask)
+        base = page + side * SIDE_BYTES
+        tl.store(base + row * (D // 2) + gi[:, None] * 8 + ii[None, :], byte, mask=cmask)
+        tl.store(base + H * N * (D // 2) + row * G + gi, s, mask=gi < G)
+
+
+def _as_scale(x, device) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.float32, device=device).reshape(1)
+
+
+def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                slot_mapping: torch.Tensor, k_scale, v_scale) -> None:
+    """Quantize the first T rows of key/value [>=T, H, D] (bf16/fp16/fp32) into kv_cache
+    [num_blocks, 2H, N, D/2 + D/16] uint8 at slot_mapping [T] (int; slots < 0 skipped).
+    k_scale / v_scale: the layer's FP32 global scales (floats or 1-element tensors)."""
+    t, (h, d) = slot_mapping.shape[0], key.shape[1:]
+    n = kv_cache.shape[2]
+    PageLayout(n, h, d)  # validates head_dim
+    if t == 0:
+        return
+    assert kv_cache.dtype == torch.uint8 and kv_cache.shape[1] == 2 * h
+    assert key.stride(-1) == 1 and value.stride(-1) == 1
+    assert kv_cache[0].is_contiguous(), "each page must be contiguous"
+    _write_kernel[(t, h)](
+        key, value, kv_cache, slot_mapping,
+        _as_scale(k_scale, key.device), _as_scale(v_scale, key.device),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
+        H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // GROUP_SIZE), num_warps=1)

@@ -1,0 +1,92 @@
+"""Triton device functions that encode and decode the NVFP4 scalars (see format.py).
+
+Hopper has no E2M1 convert instruction, so decoding is bit arithmetic: a nibble's 3-bit code
+moved to fp16 bits 9..11 and its sign to bit 15 is exactly ``e2m1_value * 2**-14`` as fp16
+(code 1 lands on an fp16 subnormal, which fp16 arithmetic keeps). An E4M3 byte moved to fp16
+bits 7..14 is ``e4m3_value * 2**-8``. The callers fold those powers of two into one scale.
+Both are exact, branch-free and the same on every GPU and in Triton's interpreter.
+"""
+import triton
+import triton.language as tl
+
+# Factors the fp16 bit tricks leave on the decoded values (folded by callers).
+E2M1_FP16_FACTOR: tl.constexpr = 16384.0  # e2m1 = decoded * 2**14
+E4M3_FP16_FACTOR: tl.constexpr = 256.0    # e4m3 = decoded * 2**8
+
+
+@triton.jit
+def e4m3_encode(s):
+    """Non-negative fp32 -> E4M3 code (uint8): round-to-nearest-even, saturating at 448."""
+    s = tl.minimum(s, 448.0)
+    bits = s.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) - 120                       # E4M3 biased exponent (bias 7)
+    man = bits & 0x7FFFFF
+    m3 = man >> 20
+    rem = man & 0xFFFFF
+    up = (rem > 0x80000) | ((rem == 0x80000) & ((m3 & 1) == 1))
+    normal = (exp << 3) + m3 + up.to(tl.int32)      # a mantissa carry bumps the exponent
+    v = s * 512.0                                   # subnormals: multiples of 2**-9
+    f = tl.floor(v)
+    fi = f.to(tl.int32)
+    d = v - f
+    sub = fi + ((d > 0.5) | ((d == 0.5) & ((fi & 1) == 1))).to(tl.int32)
+    return tl.where(exp >= 1, normal, sub).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_decode_fp16(code):
+    """E4M3 code (uint8, sign bit ignored) -> fp16 holding value * 2**-8. Exact; 0x7F -> 480."""
+    return ((code.to(tl.uint16) & 0x7F) << 7).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e4m3_decode(code):
+    """E4M3 code (uint8, non-negative) -> fp32 value."""
+    return e4m3_decode_fp16(code).to(tl.float32) * E4M3_FP16_FACTOR
+
+
+@triton.jit
+def e2m1_encode(y):
+    """fp32 (already divided by the block scale) -> 4-bit code (int32). NaN -> 0."""
+    a = tl.abs(y)
+    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+            + (a > 5.0).to(tl.int32))
+    return code | tl.where((y < 0) & (code > 0), 8, 0)
+
+
+@triton.jit
+def e2m1_unpack_fp16(packed, USE_ASM: tl.constexpr):
+    """uint8 bytes -> (low nibbles, high nibbles) as fp16 holding value * 2**-14.
+
+    USE_ASM (CUDA only): 4 bytes per 32-bit register, two PRMTs and word-wide AND/SHL/OR build
+    fp16x2 pairs directly (~5 integer instructions per byte). Otherwise the same bit formula
+    per element in plain Triton (used by the interpreter and as the readable definition)."""
+    if USE_ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t0, t1, m, s;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            and.b32 m, t0, 0x00070007; shl.b32 m, m, 9;
+            and.b32 s, t0, 0x00080008; shl.b32 s, s, 12; or.b32 $0, m, s;
+            and.b32 m, t1, 0x00070007; shl.b32 m, m, 9;
+            and.b32 s, t1, 0x00080008; shl.b32 s, s, 12; or.b32 $1, m, s;
+            and.b32 m, t0, 0x00700070; shl.b32 m, m, 5;
+            and.b32 s, t0, 0x00800080; shl.b32 s, s, 8; or.b32 $2, m, s;
+            and.b32 m, t1, 0x00700070; shl.b32 m, m, 5;
+            and.b32 s, t1, 0x00800080; shl.b32 s, s, 8; or.b32 $3, m, s;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        b = packed.to(tl.uint16)
+        lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.float16, bitcast=True)
+        hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.float16, bitcast=True)
+    return lo, hi

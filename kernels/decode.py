@@ -1,0 +1,224 @@
+"""Fused paged decode attention over an NVFP4 cache (reference: reference.paged_attention with
+one query row per sequence).
+
+One program per (sequence, KV head, split): it holds the G query heads of its KV head, so every
+KV byte is read once. K/V pages are dequantized in registers: a byte's low nibbles are the even
+elements and its high nibbles the odd ones, so instead of interleaving them the kernel splits
+the dot products (``q_even . k_lo + q_odd . k_hi``; P.V into even/odd accumulators). Decoded
+values are ``e2m1 * e4m3 * 2**-7`` in fp16, exact; ``2**7 * k_scale`` is folded into the
+softmax scale and ``2**7 * v_scale`` into the output. Split-KV over the sequence (flash-
+decoding) with an LSE reduction; the split count depends only on the batch shape, so the
+launch can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .codec import e2m1_unpack_fp16, e4m3_decode_fp16
+from .format import GROUP_SIZE, PageLayout
+
+LOG2E: tl.constexpr = 1.4426950408889634
+DECODE_FACTOR: tl.constexpr = 128.0  # decoded fp16 values are true values * 2**-7
+
+
+@triton.jit
+def _load_side(page, row, SIDE: tl.constexpr, tmask, H: tl.constexpr, N: tl.constexpr,
+               D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+               USE_ASM: tl.constexpr):
+    """Dequantize one side of a tile: page [BLOCK_N] page pointers, row [BLOCK_N] head-major
+    row index in the page. Returns (lo, hi) fp16 [BLOCK_N, G_PAD * 8] = elements (2j, 2j+1)."""
+    G: tl.constexpr = D // 16
+    base = page + SIDE * (H * N * (D // 2 + G))
+    gi = tl.arange(0, G_PAD)
+    ii = tl.arange(0, 8)
+    m3 = tmask[:, None, None] & (gi < G)[None, :, None]
+    data = tl.load((base + row * (D // 2))[:, None, None] + (gi[:, None] * 8 + ii[None, :])[None],
+                   mask=m3, other=0)
+    sc = tl.load((base + H * N * (D // 2) + row * G)[:, None] + gi[None, :],
+                 mask=tmask[:, None] & (gi < G)[None, :], other=0)
+    s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)[:, :, None]
+    lo, hi = e2m1_unpack_fp16(data, USE_ASM)
+    return (tl.reshape(lo * s16, (BLOCK_N, G_PAD * 8)),
+            tl.reshape(hi * s16, (BLOCK_N, G_PAD * 8)))
+
+
+@triton.jit
+def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+                   sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, page_stride,
+                   sm_scale, softcap, window,
+                   H: tl.constexpr, QPK: tl.constexpr, QG_PAD: tl.constexpr, N: tl.constexpr,
+                   D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    DH: tl.constexpr = G_PAD * 8
+    gq = tl.arange(0, QG_PAD)
+    heads = kvh * QPK + gq
+    j = tl.arange(0, DH)
+    qo_mask = (gq < QPK)[:, None] & (j < D // 2)[None, :]
+    q_rows = q_ptr + b * stride_qt + heads * stride_qh
+    q_lo = tl.load(q_rows[:, None] + 2 * j[None, :], mask=qo_mask, other=0.0)
+    q_hi = tl.load(q_rows[:, None] + 2 * j[None, :] + 1, mask=qo_mask, other=0.0)
+    q_lo = tl.clamp(q_lo.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    q_hi = tl.clamp(q_hi.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+    qk_scale = sm_scale * tl.load(k_scale_ptr) * DECODE_FACTOR
+    if not HAS_SOFTCAP:
+        qk_scale = qk_scale * LOG2E
+    m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([QG_PAD], tl.float32)
+    acc_lo = tl.zeros([QG_PAD, DH], tl.float32)
+    acc_hi = tl.zeros([QG_PAD, DH], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        tmask = tok < hi
+        blk = tl.load(block_table_ptr + b * stride_bt + tok // N, mask=tmask, other=0)
+        page = cache_ptr + blk.to(tl.int64) * page_stride
+        row = kvh * N + tok % N
+        k_lo, k_hi = _load_side(page, row, 0, tmask, H, N, D, G_PAD, BLOCK_N, USE_ASM)
+        s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+        s = s * qk_scale
+        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh via exp2
+            e = tl.exp2(s * (2.0 * LOG2E / softcap))
+            s = softcap * (1.0 - 2.0 / (e + 1.0)) * LOG2E
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_lo, v_hi = _load_side(page, row, 1, tmask, H, N, D, G_PAD, BLOCK_N, USE_ASM)
+        pf = p.to(tl.float16)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(pf, v_lo)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(pf, v_hi)
+        m_i = m_new
+
+    out_mult = tl.load(v_scale_ptr) * DECODE_FACTOR
+    if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=gq < QPK, other=float("-inf")) * LOG2E
+            m_f = tl.maximum(m_i, sink)
+            keep = tl.exp2(m_i - m_f)
+            l_i = l_i * keep + tl.exp2(sink - m_f)
+            acc_lo = acc_lo * keep[:, None]
+            acc_hi = acc_hi * keep[:, None]
+        inv = tl.where(l_i > 0, out_mult / l_i, 0.0)[:, None]
+        o_rows = out_ptr + b * stride_ot + heads * stride_oh
+        ty = out_ptr.dtype.element_ty
+        tl.store(o_rows[:, None] + 2 * j[None, :], (acc_lo * inv).to(ty), mask=qo_mask)
+        tl.store(o_rows[:, None] + 2 * j[None, :] + 1, (acc_hi * inv).to(ty), mask=qo_mask)
+    else:
+        # partials: out [B, Hq, S, D] fp32 normalised, lse [B, Hq, S] in log2 units
+        inv = tl.where(l_i > 0, out_mult / l_i, 0.0)[:, None]
+        prow = (b * (H * QPK) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + prow[:, None] * D + 2 * j[None, :], acc_lo * inv, mask=qo_mask)
+        tl.store(part_out_ptr + prow[:, None] * D + 2 * j[None, :] + 1, acc_hi * inv,
+                 mask=qo_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        tl.store(part_lse_ptr + prow, lse, mask=gq < QPK)
+
+
+@triton.jit
+def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh,
+                   HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    prow = (b * HQ + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + prow + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h) * LOG2E
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    denom = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_safe)
+    parts = tl.load(part_out_ptr + (prow + sp)[:, None] * D + d[None, :],
+                    mask=(sp < NUM_SPLITS)[:, None] & (d < D)[None, :], other=0.0)
+    o = tl.sum(parts * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+             mask=d < D)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Split-KV count from the batch shape only (so a CUDA graph captured for a batch size
+    stays valid for any sequence length): enough programs to fill the GPU about twice, at
+    least 256 tokens per split, at most 64 splits."""
+    want = math.ceil(2 * _num_sms(device) / max(1, batch * num_kv_heads))
+    return max(1, min(64, want, math.ceil(max_seq_len / 256)))
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, out: torch.Tensor, sm_scale: float, k_scale,
+                     v_scale, sliding_window: int | None = None, softcap: float = 0.0,
+                     sinks: torch.Tensor | None = None, num_splits: int | None = None,
+                     max_seq_len: int | None = None, block_n: int = 64,
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
+    cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
+    seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
+    out [B, Hq, D] and returns it. sliding_window: keys in (pos - window, pos]. sinks: [Hq]
+    fp32 sink logits. k_scale / v_scale: 1-element fp32 tensors or floats (global scales).
+    num_splits: split-KV count (default from choose_num_splits with max_seq_len)."""
+    bsz, hq, d = q.shape
+    nb, two_h, n, _ = kv_cache.shape
+    hkv = two_h // 2
+    PageLayout(n, hkv, d)
+    assert hq % hkv == 0 and q.stride(-1) == 1 and out.stride(-1) == 1
+    assert kv_cache[0].is_contiguous(), "each page must be contiguous"
+    if bsz == 0:
+        return out
+    dev = q.device
+    if num_splits is None:
+        max_seq_len = max_seq_len or block_table.shape[1] * n
+        num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev)
+    qpk = hq // hkv
+    k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
+    v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)
+    if num_splits > 1:
+        part_out = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=dev)
+        part_lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=dev)
+    else:
+        part_out = part_lse = out
+    sinks_arg = sinks if sinks is not None else k_scale
+    _decode_kernel[(bsz, hkv, num_splits)](
+        q, kv_cache, block_table, seq_lens, k_scale, v_scale, sinks_arg, out, part_out,
+        part_lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        kv_cache.stride(0), float(sm_scale), float(softcap), int(sliding_window or 0),
+        H=hkv, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=n, D=d,
+        G_PAD=triton.next_power_of_2(d // GROUP_SIZE), BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda", HAS_SOFTCAP=softcap > 0,
+        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        _reduce_kernel[(bsz, hq)](
+            part_out, part_lse, sinks_arg, out, out.stride(0), out.stride(1), HQ=hq, D=d,
+            D_PAD=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
+            S_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
+            num_warps=4)
+    return out

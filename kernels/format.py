@@ -1,0 +1,91 @@
+"""The NVFP4 KV-cache page format, written down once.
+
+A vLLM KV-cache page holds one (layer, block) of ``block_size`` tokens. Its logical tensor is
+``[num_blocks, 2 * num_kv_heads, block_size, head_dim // 2 + head_dim // 16]`` uint8, exactly
+vLLM 0.26's ``page_size_bytes`` for ``KVQuantMode.NVFP4``. The F-byte rows only size the page;
+inside a page the bytes are laid out by side (K then V), each side head-major::
+
+    page = [ K data | K scales | V data | V scales ]
+    data   [heads][block_size][D/2]   byte j = element 2j (low nibble) | element 2j+1 (high nibble)
+    scales [heads][block_size][D/16]  one E4M3 byte per 16 consecutive elements, linear (no swizzle)
+
+Both sides use linear scales (vLLM 0.26's SM100 writer swizzles the V scales for trtllm-gen;
+this format does not, and only this package's kernels read it).
+
+Encoding of 16 values x[0:16] of one (side, head, token, group) with the layer's FP32 global
+scale ``g`` (vLLM's ``k_scale`` / ``v_scale``; 1.0 when the checkpoint has none)::
+
+    amax  = max |x|                       (NaN counts as 0)
+    s     = e4m3(amax / 6 / g)            round-to-nearest-even, saturating at 448
+    scale = float(s) * g                  (fp32)
+    r     = 1 / scale if scale > 0 else 0 (fp32)
+    q     = e2m1(x * r)                   round-to-nearest-even on {0,.5,1,1.5,2,3,4,6}, saturating
+    value = e2m1_value(q) * float(s) * g  (decoding)
+
+Special values (the cache never holds a non-finite value, so no NaN can leak from it):
+  * all-zero blocks, and blocks whose scale underflows E4M3 (amax < 6 * 2**-10 * g): scale byte 0,
+    all codes 0, decode to exact zeros;
+  * |x| beyond the block's range (including +-Inf, and anything beyond 6 * 448 * g): saturate
+    to +-6 * scale;
+  * NaN: stored as 0 (code 0) and ignored by amax. A NaN in K/V therefore does not poison later
+    queries through the cache; attention over the step's own unquantized K/V still sees it.
+  * negative zero and values that round to zero are stored as +0 (the sign bit is set only on
+    nonzero codes), so equal inputs give equal bytes.
+"""
+from __future__ import annotations
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+GROUP_SIZE = 16  # values per E4M3 block scale
+# E2M1 magnitudes by 3-bit code; bit 3 of a nibble is the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Decision thresholds on |x * r| between consecutive codes. At a tie the even code wins:
+# 0.25 -> 0, 0.75 -> 1.0, 1.25 -> 1.0, 1.75 -> 2.0, 2.5 -> 2.0, 3.5 -> 4.0, 5.0 -> 4.0.
+# (threshold, True when the tie rounds up)
+E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+                   (2.5, False), (3.5, True), (5.0, False))
+
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim % GROUP_SIZE != 0 or head_dim <= 0:
+        raise ValueError(f"NVFP4 KV needs head_dim to be a positive multiple of {GROUP_SIZE}, "
+                         f"got {head_dim}")
+
+
+def row_bytes(head_dim: int) -> int:
+    """Bytes of one (side, head, token): packed data plus block scales (72 at head_dim 128)."""
+    check_head_dim(head_dim)
+    return head_dim // 2 + head_dim // GROUP_SIZE
+
+
+def page_bytes(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes of one (layer, block) page: block_size * heads * 2 * (D/2 + D/16)."""
+    return block_size * num_kv_heads * 2 * row_bytes(head_dim)
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[int, int, int, int]:
+    """The logical uint8 shape vLLM allocates for NVFP4: [num_blocks, 2*H, N, D/2 + D/16]."""
+    return (num_blocks, 2 * num_kv_heads, block_size, row_bytes(head_dim))
+
+
+class PageLayout:
+    """Byte offsets inside one page. All offsets are relative to the page start."""
+
+    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int):
+        check_head_dim(head_dim)
+        self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
+        self.data_bytes = head_dim // 2            # per (head, token)
+        self.scale_bytes = head_dim // GROUP_SIZE  # per (head, token)
+        self.side_data = num_kv_heads * block_size * self.data_bytes
+        self.side_bytes = num_kv_heads * block_size * (self.data_bytes + self.scale_bytes)
+        self.page_bytes = 2 * self.side_bytes
+
+    def data_offset(self, side: int, head: int, token: int) -> int:
+        return side * self.side_bytes + (head * self.block_size + token) * self.data_bytes
+
+    def scale_offset(self, side: int, head: int, token: int) -> int:
+        return (side * self.side_bytes + self.side_data
+                + (head * self.block_size + token) * self.scale_bytes)

@@ -1,0 +1,155 @@
+"""Plain-torch references for every kernel: the oracles of the tests. FP32 math, CPU or GPU.
+
+Format and rounding rules: see ``format.py``. Cache tensors are vLLM's logical NVFP4 shape
+``[num_blocks, 2*H, block_size, D/2 + D/16]`` uint8 (any page stride).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .format import E2M1_THRESHOLDS, E2M1_VALUES, E4M3_MAX, GROUP_SIZE, PageLayout
+
+
+# ---------------------------------------------------------------- scalar formats
+def e4m3_encode(s: torch.Tensor) -> torch.Tensor:
+    """Non-negative fp32 -> E4M3 bytes, round-to-nearest-even, saturating at 448."""
+    return s.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def e4m3_decode(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
+    """fp32 (already divided by the block scale) -> 4-bit codes in uint8. NaN -> 0."""
+    a = y.abs()
+    code = torch.zeros_like(y, dtype=torch.uint8)
+    for t, tie_up in E2M1_THRESHOLDS:
+        code += (a >= t if tie_up else a > t).to(torch.uint8)
+    return code | ((y < 0) & (code > 0)).to(torch.uint8) << 3
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
+    mag = lut[(code & 7).long()]
+    return torch.where((code & 8) != 0, -mag, mag)
+
+
+# ---------------------------------------------------------------- quantize / dequantize
+def quantize(x: torch.Tensor, global_scale: float | torch.Tensor):
+    """x [..., D] -> (data [..., D/2] uint8, scales [..., D/16] uint8)."""
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    xb = x.float().unflatten(-1, (-1, GROUP_SIZE))                        # [..., D/16, 16]
+    amax = torch.nan_to_num(xb.abs(), nan=0.0).amax(-1, keepdim=True)
+    s = e4m3_encode(amax / 6.0 / g)
+    scale = e4m3_decode(s) * g
+    r = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    code = e2m1_encode(xb * r).flatten(-2)                                # [..., D]
+    data = code[..., 0::2] | (code[..., 1::2] << 4)
+    return data, s.squeeze(-1)
+
+
+def dequantize(data: torch.Tensor, scales: torch.Tensor,
+               global_scale: float | torch.Tensor) -> torch.Tensor:
+    """(data [..., D/2], scales [..., D/16]) -> fp32 [..., D]."""
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=data.device)
+    code = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)       # [..., D]
+    vals = e2m1_decode(code).unflatten(-1, (-1, GROUP_SIZE))
+    return (vals * e4m3_decode(scales)[..., None] * g).flatten(-2)
+
+
+# ---------------------------------------------------------------- paged cache
+def page_views(kv_cache: torch.Tensor, head_dim: int):
+    """Views (k_data, k_scales, v_data, v_scales) of a cache, each [num_blocks, H, N, bytes]."""
+    nb, two_h, n, _ = kv_cache.shape
+    lay = PageLayout(n, two_h // 2, head_dim)
+    flat = kv_cache.flatten(1)
+    views = []
+    for side in (0, 1):
+        page = flat[:, side * lay.side_bytes:(side + 1) * lay.side_bytes]
+        views.append(page[:, :lay.side_data].unflatten(1, (lay.num_kv_heads, n, lay.data_bytes)))
+        views.append(page[:, lay.side_data:].unflatten(1, (lay.num_kv_heads, n, lay.scale_bytes)))
+    return tuple(views)
+
+
+def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                slot_mapping: torch.Tensor, k_scale: float | torch.Tensor,
+                v_scale: float | torch.Tensor) -> None:
+    """Quantize key/value [T, H, D] into the pages at slot_mapping [T]; slots < 0 are skipped."""
+    n = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    blk, off = slot_mapping[keep] // n, slot_mapping[keep] % n
+    kd, ks, vd, vs = page_views(kv_cache, key.shape[-1])
+    for x, g, d, s in ((key, k_scale, kd, ks), (value, v_scale, vd, vs)):
+        data, scales = quantize(x[keep], g)                              # [T', H, *]
+        d[blk, :, off] = data
+        s[blk, :, off] = scales
+
+
+def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: torch.Tensor,
+                 seq_starts: torch.Tensor, head_dim: int, k_scale: float | torch.Tensor,
+                 v_scale: float | torch.Tensor):
+    """Dequantize tokens [seq_starts[b], seq_starts[b] + cu_tokens[b+1] - cu_tokens[b]) of each
+    sequence b into contiguous fp32 (k, v), each [cu_tokens[-1], H, D], in batch order."""
+    n = kv_cache.shape[2]
+    kd, ks, vd, vs = page_views(kv_cache, head_dim)
+    ks_out, vs_out = [], []
+    for b in range(block_table.shape[0]):
+        count = int(cu_tokens[b + 1] - cu_tokens[b])
+        pos = int(seq_starts[b]) + torch.arange(count, device=kv_cache.device)
+        blk, off = block_table[b, pos // n].long(), pos % n
+        ks_out.append(dequantize(kd[blk, :, off], ks[blk, :, off], k_scale))
+        vs_out.append(dequantize(vd[blk, :, off], vs[blk, :, off], v_scale))
+    return torch.cat(ks_out), torch.cat(vs_out)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
+              q_positions: torch.Tensor, sliding_window: int | None = None,
+              softcap: float = 0.0, sinks: torch.Tensor | None = None,
+              return_lse: bool = False):
+    """One sequence: q [L, Hq, D] at absolute positions q_positions [L], k/v [S, Hkv, D] at
+    positions 0..S-1. Causal; GQA; optional sliding window (keys in (p - window, p]), logit
+    soft-cap and per-head sink logits [Hq]. Returns fp32 [L, Hq, D] (and lse [L, Hq])."""
+    hq, hkv = q.shape[1], k.shape[1]
+    k = k.float().repeat_interleave(hq // hkv, dim=1)
+    v = v.float().repeat_interleave(hq // hkv, dim=1)
+    s = torch.einsum("lhd,shd->hls", q.float(), k) * sm_scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    kpos = torch.arange(k.shape[0], device=q.device)
+    mask = kpos[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        mask &= kpos[None, :] > q_positions[:, None] - sliding_window
+    s = s.masked_fill(~mask, -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.float()[:, None, None].expand(-1, s.shape[1], 1)], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)                                     # [Hq, L]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    if sinks is not None:
+        p = p[..., :-1]
+    out = torch.einsum("hls,shd->lhd", p, v)
+    return (out, lse.transpose(0, 1)) if return_lse else out
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                    k_scale: float | torch.Tensor, v_scale: float | torch.Tensor,
+                    sliding_window: int | None = None, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over a paged NVFP4 cache. Sequence b owns query rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1], the last rows of its seq_lens[b] tokens (decode: one
+    row). Returns fp32 [T, Hq, D]; rows of empty sequences are zero."""
+    d = q.shape[-1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    zero = torch.zeros(1, dtype=torch.long, device=q.device)
+    for b in range(len(seq_lens)):
+        q0, q1, s_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens[b])
+        if q1 == q0 or s_len == 0:
+            continue
+        cu = torch.tensor([0, s_len], device=q.device)
+        k, v = gather_cache(kv_cache, block_table[b:b + 1], cu, zero, d, k_scale, v_scale)
+        pos = torch.arange(s_len - (q1 - q0), s_len, device=q.device)
+        out[q0:q1] = attention(q[q0:q1], k, v, sm_scale, pos, sliding_window, softcap, sinks)
+    return out
