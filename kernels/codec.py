@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 # Factors the fp16 bit tricks leave on the decoded values (folded by callers).
-E2M1_FP16_FACTOR: tl.constexpr = 16384.0  # e2m1 = decoded * 2**14
-E4M3_FP16_FACTOR: tl.constexpr = 256.0    # e4m3 = decoded * 2**8
+E2M1_FP16_FACTOR = tl.constexpr(16384.0) # e2m1 = decoded * 2**14
+E4M3_FP16_FACTOR = tl.constexpr(256.0) # e4m3 = decoded * 2**8
 
 
 @triton.jit
@@ -90,3 +90,100 @@ def e2m1_unpack_fp16(packed, USE_ASM: tl.constexpr):
         lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.float16, bitcast=True)
         hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.float16, bitcast=True)
     return lo, hi
+
+
+@triton.jit
+def _e2m1_nibble_fp16(w, K: tl.constexpr):
+    """Nibble K of int32 words as fp16 holding value * 2**-14 (portable bit formula)."""
+    code = (w >> (4 * K)) & 0x7
+    sign = (w >> (4 * K + 3)) & 0x1
+    return ((code << 9) | (sign << 15)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e2m1_words_to_fp16(w, scale, USE_ASM: tl.constexpr):
+    """int32 words [R, C] (8 E2M1 nibbles each; nibble k = element 8c + k) and an fp16 scale per
+    word [R, C] -> 8 "nibble streams": a tuple of fp16 [R, C], stream k holding elements 8c + k,
+    each e2m1 * 2**-14 * scale. Consumers keep the streams apart (a dot product splits into 8
+    dots over the streams) instead of interleaving them, which would cost register shuffles.
+
+    USE_ASM (CUDA only): two words per asm instance; PRMT pairs their halves into fp16x2 lanes,
+    then per nibble two shifts and two masks put the sign at bit 15 and the code at bits 9..11
+    and one HMUL2 applies the scale (~5 instructions per 2 values, no per-byte unpacking)."""
+    if USE_ASM:
+        n0, n1, n2, n3, n4, n5, n6, n7 = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, u, a, b;
+            prmt.b32 t, $8, $9, 0x5410;
+            prmt.b32 u, $8, $9, 0x7632;
+            shl.b32 a, t, 12; shl.b32 b, t, 9;
+            and.b32 a, a, 0x80008000; and.b32 b, b, 0x0E000E00; or.b32 a, a, b;
+            mul.rn.f16x2 $0, a, $10;
+            shl.b32 a, t, 8; shl.b32 b, t, 5;
+            and.b32 a, a, 0x80008000; and.b32 b, b, 0x0E000E00; or.b32 a, a, b;
+            mul.rn.f16x2 $1, a, $10;
+            shl.b32 a, t, 4; shl.b32 b, t, 1;
+            and.b32 a, a, 0x80008000; and.b32 b, b, 0x0E000E00; or.b32 a, a, b;
+            mul.rn.f16x2 $2, a, $10;
+            shr.b32 b, t, 3;
+            and.b32 a, t, 0x80008000; and.b32 b, b, 0x0E000E00; or.b32 a, a, b;
+            mul.rn.f16x2 $3, a, $10;
+            shl.b32 a, u, 12; shl.b32 b, u, 9;
+            and.b32 a, a, 0x80008000; and.b32 b, b, 0x0E000E00; or.b32 a, a, b;
+            mul.rn.f16x2 $4, a, $10;
+            shl.b32 a, u, 8; shl.b32 b, u, 5;
+            and.b32 a, a, 0x80008000; and.b32 b, b, 0x0E000E00; or.b32 a, a, b;
+            mul.rn.f16x2 $5, a, $10;
+            shl.b32 a, u, 4; shl.b32 b, u, 1;
+            and.b32 a, a, 0x80008000; and.b32 b, b, 0x0E000E00; or.b32 a, a, b;
+            mul.rn.f16x2 $6, a, $10;
+            shr.b32 b, u, 3;
+            and.b32 a, u, 0x80008000; and.b32 b, b, 0x0E000E00; or.b32 a, a, b;
+            mul.rn.f16x2 $7, a, $10;
+            }
+            """,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r",
+            args=[w, scale],
+            dtype=(tl.float16,) * 8,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        n0 = _e2m1_nibble_fp16(w, 0) * scale
+        n1 = _e2m1_nibble_fp16(w, 1) * scale
+        n2 = _e2m1_nibble_fp16(w, 2) * scale
+        n3 = _e2m1_nibble_fp16(w, 3) * scale
+        n4 = _e2m1_nibble_fp16(w, 4) * scale
+        n5 = _e2m1_nibble_fp16(w, 5) * scale
+        n6 = _e2m1_nibble_fp16(w, 6) * scale
+        n7 = _e2m1_nibble_fp16(w, 7) * scale
+    return n0, n1, n2, n3, n4, n5, n6, n7
+
+
+# Decoded rows hold true values * 2**-7: e2m1 * 2**-14 times an fp16 scale of e4m3 * 2**7
+# (both exact in fp16, and so is their product: |e2m1 * e4m3| <= 2688 fits after * 2**-7).
+ROW_FACTOR = tl.constexpr(128.0)
+
+
+@triton.jit
+def load_page_rows(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
+                   N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+                   USE_ASM: tl.constexpr):
+    """Dequantize rows of one side of paged NVFP4 pages (format.py). page_off [R] int64 byte
+    offset of each row's page, row [R] = head * N + token-in-page, tmask [R] valid rows.
+    Returns fp16 [R, 16 * G_PAD] in natural element order = true values * 2**-7 (ROW_FACTOR),
+    zeros where masked or padded."""
+    G: tl.constexpr = D // 16
+    R: tl.constexpr = row.shape[0]
+    side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
+    gi = tl.arange(0, G_PAD)
+    j = tl.arange(0, G_PAD * 8)
+    data = tl.load((side + row * (D // 2))[:, None] + j[None, :],
+                   mask=tmask[:, None] & (j < D // 2)[None, :], other=0)
+    sc = tl.load((side + H * N * (D // 2) + row * G)[:, None] + gi[None, :],
+                 mask=tmask[:, None] & (gi < G)[None, :], other=0)
+    s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
+    s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (R, G_PAD, 8)), (R, G_PAD * 8))
+    lo, hi = e2m1_unpack_fp16(data, USE_ASM)
+    return tl.reshape(tl.join(lo * s16, hi * s16), (R, G_PAD * 16))

@@ -2,11 +2,10 @@
 one query row per sequence).
 
 One program per (sequence, KV head, split): it holds the G query heads of its KV head, so every
-KV byte is read once. K/V pages are dequantized in registers: a byte's low nibbles are the even
-elements and its high nibbles the odd ones, so instead of interleaving them the kernel splits
-the dot products (``q_even . k_lo + q_odd . k_hi``; P.V into even/odd accumulators). Decoded
-values are ``e2m1 * e4m3 * 2**-7`` in fp16, exact; ``2**7 * k_scale`` is folded into the
-softmax scale and ``2**7 * v_scale`` into the output. Split-KV over the sequence (flash-
+KV byte is read once. K/V pages are dequantized in registers (codec.load_page_rows: bit
+arithmetic on 4 bytes per instruction, no lookup tables or branches) into fp16 values ``e2m1 * e4m3 * 2**-7`` (exact); ``2**7 * k_scale`` is folded into the softmax
+scale and ``2**7 * v_scale`` into the output. Q is converted to fp16 (exact in range), P is
+rounded to fp16 for the P.V product, accumulation is fp32. Split-KV over the sequence (flash-
 decoding) with an LSE reduction; the split count depends only on the batch shape, so the
 launch can be captured in a CUDA graph.
 """
@@ -18,32 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import e2m1_unpack_fp16, e4m3_decode_fp16
-from .format import GROUP_SIZE, PageLayout
+from .codec import ROW_FACTOR, load_page_rows
+from .format import PageLayout
 
-LOG2E: tl.constexpr = 1.4426950408889634
-DECODE_FACTOR: tl.constexpr = 128.0  # decoded fp16 values are true values * 2**-7
-
-
-@triton.jit
-def _load_side(page, row, SIDE: tl.constexpr, tmask, H: tl.constexpr, N: tl.constexpr,
-               D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-               USE_ASM: tl.constexpr):
-    """Dequantize one side of a tile: page [BLOCK_N] page pointers, row [BLOCK_N] head-major
-    row index in the page. Returns (lo, hi) fp16 [BLOCK_N, G_PAD * 8] = elements (2j, 2j+1)."""
-    G: tl.constexpr = D // 16
-    base = page + SIDE * (H * N * (D // 2 + G))
-    gi = tl.arange(0, G_PAD)
-    ii = tl.arange(0, 8)
-    m3 = tmask[:, None, None] & (gi < G)[None, :, None]
-    data = tl.load((base + row * (D // 2))[:, None, None] + (gi[:, None] * 8 + ii[None, :])[None],
-                   mask=m3, other=0)
-    sc = tl.load((base + H * N * (D // 2) + row * G)[:, None] + gi[None, :],
-                 mask=tmask[:, None] & (gi < G)[None, :], other=0)
-    s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)[:, :, None]
-    lo, hi = e2m1_unpack_fp16(data, USE_ASM)
-    return (tl.reshape(lo * s16, (BLOCK_N, G_PAD * 8)),
-            tl.reshape(hi * s16, (BLOCK_N, G_PAD * 8)))
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -66,33 +43,28 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
-    DH: tl.constexpr = G_PAD * 8
     gq = tl.arange(0, QG_PAD)
     heads = kvh * QPK + gq
-    j = tl.arange(0, DH)
-    qo_mask = (gq < QPK)[:, None] & (j < D // 2)[None, :]
-    q_rows = q_ptr + b * stride_qt + heads * stride_qh
-    q_lo = tl.load(q_rows[:, None] + 2 * j[None, :], mask=qo_mask, other=0.0)
-    q_hi = tl.load(q_rows[:, None] + 2 * j[None, :] + 1, mask=qo_mask, other=0.0)
-    q_lo = tl.clamp(q_lo.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    q_hi = tl.clamp(q_hi.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    d = tl.arange(0, G_PAD * 16)
+    qo_mask = (gq < QPK)[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qo_mask,
+                other=0.0)
+    q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
-    qk_scale = sm_scale * tl.load(k_scale_ptr) * DECODE_FACTOR
+    qk_scale = sm_scale * tl.load(k_scale_ptr) * ROW_FACTOR
     if not HAS_SOFTCAP:
         qk_scale = qk_scale * LOG2E
     m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QG_PAD], tl.float32)
-    acc_lo = tl.zeros([QG_PAD, DH], tl.float32)
-    acc_hi = tl.zeros([QG_PAD, DH], tl.float32)
+    acc = tl.zeros([QG_PAD, G_PAD * 16], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < hi
         blk = tl.load(block_table_ptr + b * stride_bt + tok // N, mask=tmask, other=0)
-        page = cache_ptr + blk.to(tl.int64) * page_stride
+        page_off = blk.to(tl.int64) * page_stride
         row = kvh * N + tok % N
-        k_lo, k_hi = _load_side(page, row, 0, tmask, H, N, D, G_PAD, BLOCK_N, USE_ASM)
-        s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
-        s = s * qk_scale
+        k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh via exp2
             e = tl.exp2(s * (2.0 * LOG2E / softcap))
             s = softcap * (1.0 - 2.0 / (e + 1.0)) * LOG2E
@@ -101,33 +73,26 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_lo, v_hi = _load_side(page, row, 1, tmask, H, N, D, G_PAD, BLOCK_N, USE_ASM)
-        pf = p.to(tl.float16)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(pf, v_lo)
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(pf, v_hi)
+        v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD, USE_ASM)
+        acc = tl.dot(p.to(tl.float16), v, acc * alpha[:, None])
         m_i = m_new
 
-    out_mult = tl.load(v_scale_ptr) * DECODE_FACTOR
+    out_mult = tl.load(v_scale_ptr) * ROW_FACTOR
     if NUM_SPLITS == 1:
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + heads, mask=gq < QPK, other=float("-inf")) * LOG2E
             m_f = tl.maximum(m_i, sink)
             keep = tl.exp2(m_i - m_f)
             l_i = l_i * keep + tl.exp2(sink - m_f)
-            acc_lo = acc_lo * keep[:, None]
-            acc_hi = acc_hi * keep[:, None]
+            out_mult = out_mult * keep
         inv = tl.where(l_i > 0, out_mult / l_i, 0.0)[:, None]
-        o_rows = out_ptr + b * stride_ot + heads * stride_oh
-        ty = out_ptr.dtype.element_ty
-        tl.store(o_rows[:, None] + 2 * j[None, :], (acc_lo * inv).to(ty), mask=qo_mask)
-        tl.store(o_rows[:, None] + 2 * j[None, :] + 1, (acc_hi * inv).to(ty), mask=qo_mask)
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 (acc * inv).to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
         # partials: out [B, Hq, S, D] fp32 normalised, lse [B, Hq, S] in log2 units
         inv = tl.where(l_i > 0, out_mult / l_i, 0.0)[:, None]
         prow = (b * (H * QPK) + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + prow[:, None] * D + 2 * j[None, :], acc_lo * inv, mask=qo_mask)
-        tl.store(part_out_ptr + prow[:, None] * D + 2 * j[None, :] + 1, acc_hi * inv,
-                 mask=qo_mask)
+        tl.store(part_out_ptr + prow[:, None] * D + d[None, :], acc * inv, mask=qo_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(part_lse_ptr + prow, lse, mask=gq < QPK)
 
@@ -211,7 +176,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         part_lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), float(sm_scale), float(softcap), int(sliding_window or 0),
         H=hkv, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=n, D=d,
-        G_PAD=triton.next_power_of_2(d // GROUP_SIZE), BLOCK_N=block_n,
+        G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n,
         NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda", HAS_SOFTCAP=softcap > 0,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages)

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import E2M1_FP16_FACTOR, E4M3_FP16_FACTOR, e2m1_unpack_fp16, e4m3_decode_fp16
-from .format import GROUP_SIZE, PageLayout
+from .codec import ROW_FACTOR, load_page_rows
+from .format import PageLayout
 
 
 @triton.jit
@@ -23,38 +23,27 @@ def _gather_kernel(cache_ptr, block_table_ptr, cu_tokens_ptr, seq_starts_ptr,
     count = tl.load(cu_tokens_ptr + b + 1) - out0
     if tile * BLOCK_T >= count:
         return
-    G: tl.constexpr = D // 16
-    SIDE_BYTES: tl.constexpr = H * N * (D // 2 + G)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < count
     pos = tl.load(seq_starts_ptr + b) + t
-    blk = tl.load(block_table_ptr + b * stride_bt + pos // N, mask=tmask, other=0).to(tl.int64)
+    blk = tl.load(block_table_ptr + b * stride_bt + pos // N, mask=tmask, other=0)
+    page_off = blk.to(tl.int64) * page_stride
     row = h * N + pos % N
-    gi = tl.arange(0, G_PAD)
-    ii = tl.arange(0, 8)
-    m3 = tmask[:, None, None] & (gi < G)[None, :, None]
-    # out[t, h, 16 g + 2 i (+1)]: even elements from low nibbles, odd from high nibbles
-    out_off = ((out0 + t) * stride_ot + h * stride_oh)[:, None, None] \
-        + (gi[:, None] * 16 + 2 * ii[None, :])[None, :, :]
+    d = tl.arange(0, G_PAD * 16)
+    out_off = ((out0 + t) * stride_ot + h * stride_oh)[:, None] + d[None, :]
+    omask = tmask[:, None] & (d < D)[None, :]
     for side in tl.static_range(2):
-        base = cache_ptr + blk * page_stride + side * SIDE_BYTES
-        data = tl.load(base[:, None, None] + (row * (D // 2))[:, None, None]
-                       + (gi[:, None] * 8 + ii[None, :])[None, :, :], mask=m3, other=0)
-        sc = tl.load(base[:, None] + H * N * (D // 2) + (row * G)[:, None] + gi[None, :],
-                     mask=tmask[:, None] & (gi < G)[None, :], other=0)
         if side == 0:
             g = tl.load(k_scale_ptr)
             out_ptr = k_out_ptr
         else:
             g = tl.load(v_scale_ptr)
             out_ptr = v_out_ptr
-        # e2m1 * e4m3 is exact in fp32; one rounding for * g, as in the reference.
-        sc32 = e4m3_decode_fp16(sc).to(tl.float32)[:, :, None]
-        gmul = tl.math.div_rn(g * (E2M1_FP16_FACTOR * E4M3_FP16_FACTOR), out_div)
-        lo, hi = e2m1_unpack_fp16(data, USE_ASM)
-        ty = out_ptr.dtype.element_ty
-        tl.store(out_ptr + out_off, (lo.to(tl.float32) * sc32 * gmul).to(ty), mask=m3)
-        tl.store(out_ptr + out_off + 1, (hi.to(tl.float32) * sc32 * gmul).to(ty), mask=m3)
+        # rows are exact (e2m1 * e4m3 * 2**-7 in fp16): one rounding for * g, as the reference
+        x = load_page_rows(cache_ptr, page_off, row, side, tmask, H, N, D, G_PAD, USE_ASM)
+        mult = tl.math.div_rn(g * ROW_FACTOR, out_div)
+        tl.store(out_ptr + out_off, (x.to(tl.float32) * mult).to(out_ptr.dtype.element_ty),
+                 mask=omask)
 
 
 def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: torch.Tensor,
@@ -82,5 +71,5 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: t
         torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1),
         torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1),
         float(out_div), block_table.stride(0), kv_cache.stride(0), k_out.stride(0),
-        k_out.stride(1), H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // GROUP_SIZE),
+        k_out.stride(1), H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // 16),
         BLOCK_T=block_t, USE_ASM=dev.type == "cuda", num_warps=4)

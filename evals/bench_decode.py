@@ -1,0 +1,283 @@
+"""Decode-attention kernel benchmark: NVFP4 (ours) vs FP8 and BF16 paged decode (vLLM's
+FlashAttention-3; FlashInfer if FA3 is missing), measured in one run on one GPU.
+
+Llama-3-8B-like heads by default (32 q / 8 kv, D=128), page size 16, random page order, one
+layer. Each timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph).
+Effective bandwidth = KV bytes read (+ q, out) / time, compared with the device copy bandwidth
+(read + write of a 4 GiB clone) measured in the same run. Writes JSON and a PNG plot.
+
+    python evals/bench_decode.py --out evals/results/decode_h200.json
+    python evals/bench_decode.py --tune            # block/warps/stages sweep on a few shapes
+    python evals/bench_decode.py --toy             # CPU, Triton interpreter, tiny sizes
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+
+if __name__ == "__main__" and "--toy" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+
+from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
+from vllm_nvfp4kv.kernels.decode import choose_num_splits  # noqa: E402
+
+BYTES_PER_TOKEN_HEAD = {"bf16": 512, "fp8": 256, "nvfp4": 144}  # K+V, D=128
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes moved per second (read + write) by a device-to-device clone of 4 GiB."""
+    x = torch.empty(4 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=5, rep=50, return_mode="median")
+    del x, y
+    return 2 * (4 << 30) / (ms * 1e-3)
+
+
+def time_fn(fn, device) -> float:
+    if device.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+class Problem:
+    """Random decode problem: batch sequences of ctx tokens, pages in random order."""
+
+    def __init__(self, batch, ctx, hq, hkv, d, page, device):
+        self.batch, self.ctx, self.hq, self.hkv, self.d, self.page = batch, ctx, hq, hkv, d, page
+        self.device = device
+        self.blocks_per_seq = math.ceil(ctx / page)
+        self.num_blocks = batch * self.blocks_per_seq
+        g = torch.Generator(device="cpu").manual_seed(batch * 7919 + ctx)
+        perm = torch.randperm(self.num_blocks, generator=g)
+        self.block_table = perm.view(batch, -1).to(torch.int32).to(device)
+        self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        self.q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=device)
+        self.scale = d ** -0.5
+
+    def nvfp4_cache(self):
+        cache = torch.empty(kv_cache_shape(self.num_blocks, self.page, self.hkv, self.d),
+                            dtype=torch.uint8, device=self.device)
+        chunk = 1 << 20  # fill with real quantized data, a chunk of tokens at a time
+        total = self.num_blocks * self.page
+        for s in range(0, total, chunk):
+            n = min(chunk, total - s)
+            kv = torch.randn(n, self.hkv, self.d, dtype=torch.bfloat16, device=self.device)
+            write_cache(cache, kv, kv, torch.arange(s, s + n, device=self.device), 1.0, 1.0)
+        return cache
+
+    def dense_cache(self, dtype):
+        """Separate K and V tensors [num_blocks, page, hkv, d] (FA3's paged layout)."""
+        shape = (self.num_blocks, self.page, self.hkv, self.d)
+        return tuple(torch.randn(shape, dtype=torch.bfloat16, device=self.device).to(dtype)
+                     for _ in range(2))
+
+
+def run_nvfp4(p: Problem, cache, out, **kw):
+    return lambda: decode_attention(p.q, cache, p.block_table, p.seq_lens, out, p.scale,
+                                    1.0, 1.0, max_seq_len=p.ctx, **kw)
+
+
+def fa3_fn(p: Problem, k, v, fp8: bool):
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+    cu_q = torch.arange(p.batch + 1, dtype=torch.int32, device=p.device)
+    q = p.q
+    desc = {}
+    if fp8:
+        q = p.q.to(torch.float8_e4m3fn)
+        one = torch.ones(p.batch, p.hkv, dtype=torch.float32, device=p.device)
+        desc = dict(q_descale=one, k_descale=one, v_descale=one)
+    out = torch.empty_like(p.q)
+    return lambda: flash_attn_varlen_func(
+        q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=p.ctx, seqused_k=p.seq_lens,
+        softmax_scale=p.scale, causal=True, block_table=p.block_table, out=out, fa_version=3,
+        **desc)
+
+
+def check(args, device):
+    """Ours vs the torch reference on a small problem before any timing."""
+    p = Problem(3, 1000 if device.type == "cuda" else 40, args.hq, args.hkv, args.d, args.page,
+                device)
+    cache = p.nvfp4_cache()
+    out = torch.empty_like(p.q)
+    for ns in (1, 4):
+        decode_attention(p.q, cache, p.block_table, p.seq_lens, out, p.scale, 1.0, 1.0,
+                         num_splits=ns)
+        ref = reference.paged_attention(p.q, cache, p.block_table,
+                                        torch.arange(p.batch + 1, device=device), p.seq_lens,
+                                        p.scale, 1.0, 1.0)
+        err = (out.float() - ref).abs().max().item()
+        assert err < 2e-2 * max(1.0, ref.abs().max().item()), f"mismatch {err}"
+    return err
+
+
+def bench(args):
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.toy else "cpu")
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+           "torch": torch.__version__, "triton": triton.__version__,
+           "heads": [args.hq, args.hkv, args.d], "page": args.page, "rows": []}
+    try:
+        import vllm
+        res["vllm"] = vllm.__version__
+    except Exception:
+        pass
+    res["check_max_err"] = check(args, device)
+    copy_bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    res["copy_bandwidth_GBps"] = copy_bw / 1e9
+    print(f"# {res['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    have_fa3 = not args.toy
+    if have_fa3:
+        try:
+            from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            print("no FA3:", e)
+            have_fa3 = False
+    t_end = time.time() + args.budget_s
+    for ctx in args.ctx:
+        for batch in args.batch:
+            if batch * ctx > args.max_tokens or time.time() > t_end:
+                continue
+            p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
+            row = {"ctx": ctx, "batch": batch,
+                   "splits": choose_num_splits(batch, args.hkv, ctx, device)}
+            cache = p.nvfp4_cache()
+            out = torch.empty_like(p.q)
+            row["nvfp4_ms"] = time_fn(run_nvfp4(p, cache, out), device)
+            del cache
+            if have_fa3:
+                for name, dt in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
+                    if batch * ctx * args.hkv * BYTES_PER_TOKEN_HEAD[name] > args.max_dense_bytes:
+                        continue
+                    k, v = p.dense_cache(dt)
+                    row[f"{name}_ms"] = time_fn(fa3_fn(p, k, v, name == "fp8"), device)
+                    del k, v
+            kv_tokens = batch * ctx * args.hkv
+            for name in ("nvfp4", "fp8", "bf16"):
+                if f"{name}_ms" in row:
+                    byts = kv_tokens * BYTES_PER_TOKEN_HEAD[name] * args.d / 128
+                    row[f"{name}_GBps"] = byts / (row[f"{name}_ms"] * 1e-3) / 1e9
+            if "fp8_ms" in row:
+                row["speedup_vs_fp8"] = row["fp8_ms"] / row["nvfp4_ms"]
+            if "bf16_ms" in row:
+                row["speedup_vs_bf16"] = row["bf16_ms"] / row["nvfp4_ms"]
+            row["nvfp4_frac_copy_bw"] = row.get("nvfp4_GBps", 0) * 1e9 / copy_bw
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    return res
+
+
+def tune(args):
+    device = torch.device("cuda")
+    check(args, device)
+    shapes = [(1, 32768), (8, 32768), (32, 8192), (64, 32768), (1, 262144)]
+    rows = []
+    for batch, ctx in shapes:
+        p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
+        cache = p.nvfp4_cache()
+        out = torch.empty_like(p.q)
+        base = choose_num_splits(batch, args.hkv, ctx, device)
+        for block_n in (64, 128):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    for ns in sorted({base, min(64, base * 2)}):
+                        try:
+                            ms = time_fn(run_nvfp4(p, cache, out, block_n=block_n,
+                                                   num_warps=warps, num_stages=stages,
+                                                   num_splits=ns), device)
+                        except Exception as e:  # noqa: BLE001 (out of resources etc.)
+                            print("fail", block_n, warps, stages, type(e).__name__)
+                            continue
+                        gbps = batch * ctx * args.hkv * 144 / (ms * 1e-3) / 1e9
+                        rows.append(dict(batch=batch, ctx=ctx, block_n=block_n, warps=warps,
+                                         stages=stages, splits=ns, ms=ms, GBps=gbps))
+        best = min((r for r in rows if r["batch"] == batch and r["ctx"] == ctx),
+                   key=lambda r: r["ms"])
+        print("best", json.dumps(best), flush=True)
+        del cache
+    return {"tune": rows}
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for b in batches:
+        rs = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["ctx"])
+        for name, style in (("nvfp4", "-o"), ("fp8", "--s"), ("bf16", ":^")):
+            xs = [r["ctx"] for r in rs if f"{name}_ms" in r]
+            if xs:
+                axes[0].plot(xs, [r[f"{name}_GBps"] for r in rs if f"{name}_ms" in r], style,
+                             label=f"{name} b{b}")
+        xs = [r["ctx"] for r in rs if "speedup_vs_fp8" in r]
+        axes[1].plot(xs, [r["speedup_vs_fp8"] for r in rs if "speedup_vs_fp8" in r], "-o",
+                     label=f"vs FP8, b{b}")
+    bw = res.get("copy_bandwidth_GBps")
+    if bw and bw == bw:
+        axes[0].axhline(bw, color="k", lw=0.8, label="copy bandwidth")
+    axes[1].axhline(1.6, color="r", lw=0.8, ls="--", label="target 1.6x")
+    for ax, t in zip(axes, ("effective KV GB/s", "NVFP4 speed-up over FP8 (FA3)")):
+        if ax is axes[0] or any("speedup_vs_fp8" in r for r in rows):
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(t)
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"decode attention, {res['gpu']}, heads {res['heads']}, {res['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="evals/results/decode.json")
+    ap.add_argument("--ctx", type=int, nargs="+",
+                    default=[4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=1 << 26, help="skip batch*ctx above this")
+    ap.add_argument("--max-dense-bytes", type=float, default=60e9,
+                    help="skip an FP8/BF16 baseline whose cache is larger")
+    ap.add_argument("--budget-s", type=float, default=420, help="stop starting new shapes after")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
+    args = ap.parse_args()
+    if args.toy:
+        args.ctx, args.batch, args.hq, args.hkv = [64, 200], [1, 2], 4, 1
+    res = tune(args) if args.tune else bench(args)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    if not args.tune and res["rows"]:
+        plot(res, args.out.replace(".json", ".png"))
+    if not args.tune:
+        print(f"{'ctx':>8} {'b':>3} {'nvfp4 ms':>9} {'fp8 ms':>8} {'bf16 ms':>8} "
+              f"{'x fp8':>6} {'x bf16':>6} {'GB/s':>6} {'%copy':>6}")
+        for r in res["rows"]:
+            print(f"{r['ctx']:>8} {r['batch']:>3} {r['nvfp4_ms']:>9.4f} "
+                  f"{r.get('fp8_ms', float('nan')):>8.4f} {r.get('bf16_ms', float('nan')):>8.4f} "
+                  f"{r.get('speedup_vs_fp8', float('nan')):>6.2f} "
+                  f"{r.get('speedup_vs_bf16', float('nan')):>6.2f} "
+                  f"{r.get('nvfp4_GBps', float('nan')):>6.0f} "
+                  f"{100 * r['nvfp4_frac_copy_bw']:>6.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,565 @@
+"""Every Triton kernel against its plain-torch oracle in ``reference``.
+
+On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), so shapes
+are tiny and the parametrizations cover each axis (head dim, block size, GQA ratio, dtype,
+page stride, splits, ...) rather than their cross product. The same assertions run on CUDA.
+
+Caches start as random garbage bytes, with many 0x7F / 0xFF bytes (NaN / negative-NaN as E4M3
+scales); only the slots a test writes hold real data. So every test also checks that the
+kernels read only what they own.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from vllm_nvfp4kv import kernels as K
+from vllm_nvfp4kv.kernels import codec
+from vllm_nvfp4kv.kernels import reference as R
+from vllm_nvfp4kv.kernels.format import E2M1_THRESHOLDS, E2M1_VALUES, kv_cache_shape
+
+E4M3_FINITE = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+# Triton 3.6's interpreter does not round fp32 -> bf16 to nearest even (it truncates toward
+# zero) nor fp32 -> fp8 (round-half-up with a broken mantissa carry: 7.8 -> 4.0). Compiled
+# kernels use the hardware round-to-nearest-even converts. Checks of rounded outputs account
+# for the former and avoid the latter under the interpreter.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------- helpers
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def garbage(shape, gen) -> torch.Tensor:
+    """Random bytes, a quarter of them 0x7F / 0xFF (E4M3 NaN patterns)."""
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    pick = torch.rand(shape, generator=gen)
+    x[pick < 0.125] = 0x7F
+    x[(pick >= 0.125) & (pick < 0.25)] = 0xFF
+    return x
+
+
+def cache_pair(nb, n, h, d, device, gen, pad_heads=0):
+    """Two identical garbage caches [nb, 2h, n, F] (kernel's, reference's) and their backing
+    buffers. pad_heads > 0: each cache is a view [:, :2h] of a [nb, 2h + pad, n, F] buffer,
+    so pages stay contiguous but the page stride exceeds the page size."""
+    shape = list(kv_cache_shape(nb, n, h, d))
+    shape[1] += pad_heads
+    buf = garbage(shape, gen).to(device)
+    buf_ref = buf.clone()
+    return buf[:, :2 * h], buf_ref[:, :2 * h], buf, buf_ref
+
+
+def rand_kv(t, h, d, gen, dtype=torch.float32, device="cpu", spread=6):
+    """[t, h, d] gaussian values whose magnitude varies per row by 2**[-spread, spread]."""
+    mag = 2.0 ** torch.randint(-spread, spread + 1, (t, h, 1), generator=gen).float()
+    return (torch.randn(t, h, d, generator=gen) * mag).to(dtype).to(device)
+
+
+def fill_sequences(cache, seq_lens, n, gen, k_scale, v_scale, extra_cols=2, spread=6):
+    """Give each sequence distinct random pages, write its tokens through the reference writer
+    (the kernel writer is tested separately), and return an int32 block table whose entries
+    beyond each sequence's pages (extra_cols more than needed) point at pages nobody owns
+    (garbage). The unused slots of each sequence's last page stay garbage too."""
+    nb, two_h, _, _ = cache.shape
+    h = two_h // 2
+    d = (cache.shape[3] * 16) // 9
+    need = [math.ceil(s / n) for s in seq_lens]
+    cols = max(need + [1]) + extra_cols
+    perm = torch.randperm(nb, generator=gen)
+    spare = perm[sum(need):]
+    assert len(spare) > 0
+    table = torch.empty(len(seq_lens), cols, dtype=torch.int32)
+    used = 0
+    for b, (s, k) in enumerate(zip(seq_lens, need)):
+        own = perm[used:used + k]
+        used += k
+        table[b, :k] = own
+        table[b, k:] = spare[torch.randint(0, len(spare), (cols - k,), generator=gen)]
+        if s:
+            slots = (own[:, None] * n + torch.arange(n)).flatten()[:s].to(cache.device)
+            k, v = (rand_kv(s, h, d, gen, device=cache.device, spread=spread) for _ in range(2))
+            R.write_cache(cache, k, v, slots, k_scale, v_scale)
+    return table.to(cache.device)
+
+
+def assert_rounded_from(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """out == the fp32 reference rounded once to out.dtype (nearest even); under the
+    interpreter a bf16 element may instead be the reference truncated toward zero."""
+    want = ref.to(out.dtype)
+    if INTERPRETED and out.dtype == torch.bfloat16:
+        trunc = (ref.contiguous().view(torch.int32) & -65536).view(torch.float32)
+        ok = (out == want) | (out == trunc.to(torch.bfloat16))
+        assert ok.all(), f"{int((~ok).sum())} elements differ"
+    else:
+        assert torch.equal(out, want)
+
+
+# ---------------------------------------------------------------- codec device functions
+@triton.jit
+def _codec_probe(x_ptr, byte_ptr, e4m3_ptr, e2m1_ptr, e4m3_dec_ptr, lo_ptr, hi_ptr, n,
+                 BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=0.0)
+    tl.store(e4m3_ptr + i, codec.e4m3_encode(tl.abs(x)), mask=m)
+    tl.store(e2m1_ptr + i, codec.e2m1_encode(x).to(tl.uint8), mask=m)
+    j = tl.arange(0, 256)
+    b = tl.load(byte_ptr + j)
+    tl.store(e4m3_dec_ptr + j, codec.e4m3_decode(b))
+    lo, hi = codec.e2m1_unpack_fp16(b, USE_ASM)
+    tl.store(lo_ptr + j, lo.to(tl.float32) * codec.E2M1_FP16_FACTOR)
+    tl.store(hi_ptr + j, hi.to(tl.float32) * codec.E2M1_FP16_FACTOR)
+
+
+def test_codec_device_functions(device):
+    """Triton's E4M3/E2M1 codecs vs the reference on every E4M3 value, every midpoint between
+    neighbours and its fp32 neighbours, every E2M1 threshold and its neighbours, specials, and
+    all 256 bytes for the decoders (the inline-PTX unpack on CUDA)."""
+    e4 = E4M3_FINITE.tolist()
+    pts = list(e4) + [(a + b) / 2 for a, b in zip(e4, e4[1:])]
+    pts += [v * 2 ** e for v in (1.0, 1.5, 1.75) for e in range(-12, -5)]  # sub/normal edge
+    pts += [500.0, 1e30, math.inf, 2.0 ** -126, 1e-45]
+    x = torch.tensor(pts, dtype=torch.float32)
+    x = torch.cat([x, torch.nextafter(x, torch.zeros(1)), torch.nextafter(x, x + 1)])
+    ths = torch.tensor([t for t, _ in E2M1_THRESHOLDS] + list(E2M1_VALUES) + [7.0, 1e9])
+    ths = torch.cat([ths, torch.nextafter(ths, torch.zeros(1)), torch.nextafter(ths, ths + 1)])
+    x = torch.cat([x, ths, -ths, torch.tensor([-0.0, math.nan, -math.inf, math.inf])])
+    n = x.numel()
+    block = triton.next_power_of_2(n)
+    byte = torch.arange(256, dtype=torch.uint8, device=device)
+    outs = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2)]
+    outs += [torch.empty(256, dtype=torch.float32, device=device) for _ in range(3)]
+    _codec_probe[(1,)](x.to(device), byte, *outs, n, BLOCK=block,
+                       USE_ASM=device == "cuda", num_warps=4)
+    e4m3, e2m1, e4m3_dec, lo, hi = (o.cpu() for o in outs)
+    finite = ~torch.isnan(x)
+    assert torch.equal(e4m3[finite], R.e4m3_encode(x.abs()[finite]))
+    assert torch.equal(e2m1, R.e2m1_encode(x))
+    assert torch.equal(e4m3_dec[:127], R.e4m3_decode(torch.arange(127, dtype=torch.uint8)))
+    # documented: the sign bit is ignored and 0x7F (NaN in E4M3) decodes to 480, finite
+    assert float(e4m3_dec[127]) == 480.0 and torch.equal(e4m3_dec[128:], e4m3_dec[:128])
+    assert torch.equal(lo, R.e2m1_decode(byte.cpu() & 0xF))
+    assert torch.equal(hi, R.e2m1_decode(byte.cpu() >> 4))
+
+
+# ---------------------------------------------------------------- writer
+def _fused_qkv(t, hq, hkv, d, gen, dtype, device):
+    """key/value as strided views of one fused qkv projection output [t, (hq + 2 hkv) d]."""
+    qkv = rand_kv(t, hq + 2 * hkv, d, gen, dtype, device).flatten(1)
+    k = qkv[:, hq * d:(hq + hkv) * d].unflatten(1, (hkv, d))
+    v = qkv[:, (hq + hkv) * d:].unflatten(1, (hkv, d))
+    return k, v
+
+
+WRITE_CASES = [
+    # head_dim, block_size, kv_heads, dtype, pad_heads (page stride > page), fused qkv views
+    pytest.param(64, 16, 1, torch.bfloat16, 0, False, id="d64-n16-bf16"),
+    pytest.param(128, 64, 2, torch.float16, 2, True, id="d128-n64-fp16-strided-fused"),
+    pytest.param(256, 16, 1, torch.float32, 0, True, id="d256-n16-fp32-fused"),
+    pytest.param(80, 16, 2, torch.bfloat16, 2, False, id="d80-n16-bf16-strided"),
+    pytest.param(96, 64, 1, torch.float32, 0, False, id="d96-n64-fp32"),
+]
+
+
+@pytest.mark.parametrize("d,n,h,dtype,pad,fused", WRITE_CASES)
+def test_write_cache_matches_reference(device, d, n, h, dtype, pad, fused):
+    """Bit-exact vs reference.write_cache over the whole backing buffer: negative slots
+    skipped, other slots' bytes (and the padding between pages) untouched; key/value may have
+    more rows than slot_mapping; scales as floats or tensors."""
+    gen = _gen(d * 7 + n)
+    nb, t = 4, 12
+    cache, cache_ref, buf, buf_ref = cache_pair(nb, n, h, d, device, gen, pad)
+    if fused:
+        key, value = _fused_qkv(t + 3, 2 * h, h, d, gen, dtype, device)
+        assert not key.is_contiguous()
+    else:
+        key, value = (rand_kv(t + 3, h, d, gen, dtype, device) for _ in range(2))
+    slots = torch.randperm(nb * n, generator=gen)[:t]
+    slots[[2, 7]] = -1
+    slots[5] = nb * n - 1  # last slot of the cache
+    slots = slots.to(device)
+    k_scale, v_scale = 0.37, torch.tensor([2.5], device=device)
+    K.write_cache(cache, key, value, slots, k_scale, v_scale)
+    R.write_cache(cache_ref, key[:t], value[:t], slots, k_scale, v_scale)
+    assert torch.equal(buf, buf_ref)
+
+
+def _special_rows(d, dtype):
+    """Rows exercising every special case of format.py, representable in dtype."""
+    fmax = torch.finfo(dtype).max
+    tiny = torch.finfo(dtype).smallest_normal
+    rows = []
+    z = torch.zeros(d)
+    rows.append(z.clone())                                   # all zero
+    rows.append(-z)                                          # all -0.0
+    r = torch.randn(d)
+    r[::3] = math.nan
+    rows.append(r)                                           # NaN mixed in
+    rows.append(torch.full((d,), math.nan))                  # all NaN
+    r = torch.randn(d)
+    r[1], r[18] = math.inf, -math.inf
+    rows.append(r)                                           # +-Inf
+    rows.append(torch.randn(d) * fmax / 4)                   # huge: saturates at 448
+    r = torch.randn(d)
+    r[::5] = fmax
+    rows.append(r)
+    rows.append(torch.randn(d) * tiny)                       # denormal scale range -> zeros
+    rows.append(torch.randn(d) * tiny * 2 ** -5)             # (sub)normal inputs, flushed
+    rows.append(torch.randn(d) * 0.0058)                     # near the underflow boundary
+    ts = [t for t, _ in E2M1_THRESHOLDS]
+    blk = torch.tensor([6.0] + ts + [-t for t in ts] + [-0.0])  # E2M1 ties (scale exactly 1)
+    rows.append(blk.repeat(d // 16))
+    r = torch.randn(d)
+    r[::2] = -r[1::2]                                        # sign symmetry within pairs
+    rows.append(r)
+    x = torch.stack(rows).to(dtype)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_write_cache_special_values(device, dtype):
+    """NaN / Inf / huge / zero / -0 / denormal / tie rows, bit-exact vs the reference, and the
+    cache never holds an E4M3 NaN scale (0x7F / 0xFF) in any written row."""
+    d, n, h = 128, 16, 1
+    gen = _gen(11)
+    rows = _special_rows(d, dtype)
+    t = rows.shape[0]
+    key = rows[:, None].to(device)
+    value = rows.flip(0)[:, None].to(device)
+    cache, cache_ref, buf, buf_ref = cache_pair(2, n, h, d, device, gen)
+    slots = torch.arange(t, device=device)
+    for g in (1.0, 0.03125, 3.3):
+        K.write_cache(cache, key, value, slots, g, 1 / g)
+        R.write_cache(cache_ref, key, value, slots, g, 1 / g)
+        assert torch.equal(buf, buf_ref), f"global scale {g}"
+        _, ks, _, vs = R.page_views(cache, d)
+        written = torch.cat([ks[0, :, :t].flatten(), vs[0, :, :t].flatten()])
+        assert not ((written & 0x7F) == 0x7F).any()
+        k, v = R.gather_cache(cache, torch.tensor([[0, 1]], device=device),
+                              torch.tensor([0, t], device=device),
+                              torch.zeros(1, dtype=torch.long, device=device), d, g, 1 / g)
+        assert torch.isfinite(k).all() and torch.isfinite(v).all()
+
+
+def test_write_cache_scale_codes_exhaustive(device):
+    """Group maxima at 6 g times every E4M3 value and every midpoint between neighbours (and
+    their fp32 neighbours), so the kernel's bit-arithmetic E4M3 rounding is compared with the
+    reference on every decision boundary, fp32 input."""
+    d, n, h = 128, 64, 1
+    e4 = E4M3_FINITE[1:]
+    mids = (E4M3_FINITE[:-1] + E4M3_FINITE[1:]) / 2
+    targets = torch.cat([e4, mids, torch.nextafter(mids, torch.zeros(1)),
+                         torch.nextafter(mids, mids + 1), torch.tensor([460.0, 470.0])])
+    groups = targets.numel()
+    rows = math.ceil(groups / (d // 16))
+    targets = torch.cat([targets, torch.ones(rows * (d // 16) - groups)])
+    gen = _gen(3)
+    for g in (1.0, 0.7):
+        x = torch.rand(rows * d // 16, 16, generator=gen) * 2 - 1
+        x[:, 5] = torch.where(torch.rand(x.shape[0], generator=gen) < 0.5, -1.0, 1.0)
+        x = (x * (targets * 6 * g)[:, None]).view(rows, 1, d).to(device)
+        cache, cache_ref, buf, buf_ref = cache_pair(math.ceil(rows / n), n, h, d, device, gen)
+        slots = torch.arange(rows, device=device)
+        K.write_cache(cache, x, -x, slots, g, g)
+        R.write_cache(cache_ref, x, -x, slots, g, g)
+        assert torch.equal(buf, buf_ref)
+
+
+def test_write_cache_no_valid_slots(device):
+    d, n, h = 64, 16, 1
+    gen = _gen(5)
+    cache, _, buf, _ = cache_pair(2, n, h, d, device, gen)
+    before = buf.clone()
+    key = rand_kv(3, h, d, gen, device=device)
+    K.write_cache(cache, key, key, torch.full((3,), -1, device=device), 1.0, 1.0)
+    K.write_cache(cache, key, key, torch.empty(0, dtype=torch.long, device=device), 1.0, 1.0)
+    assert torch.equal(buf, before)
+
+
+def test_write_cache_int32_slots(device):
+    d, n, h = 64, 16, 2
+    gen = _gen(6)
+    cache, cache_ref, buf, buf_ref = cache_pair(3, n, h, d, device, gen)
+    key, value = (rand_kv(5, h, d, gen, torch.bfloat16, device) for _ in range(2))
+    slots = torch.tensor([47, -1, 0, 16, 31], dtype=torch.int32, device=device)
+    K.write_cache(cache, key, value, slots, 1.0, 1.0)
+    R.write_cache(cache_ref, key, value, slots.long(), 1.0, 1.0)
+    assert torch.equal(buf, buf_ref)
+
+
+# ---------------------------------------------------------------- gather
+GATHER_CASES = [
+    # head_dim, block_size, kv_heads, out dtype, pad_heads, seq_lens, seq_starts, counts
+    pytest.param(64, 16, 1, torch.float32, 0, [40, 1, 0, 23], [3, 0, 0, 17], [37, 1, 0, 6],
+                 id="d64-n16-fp32"),
+    pytest.param(128, 64, 2, torch.bfloat16, 2, [130, 5, 64], [60, 4, 0], [70, 1, 64],
+                 id="d128-n64-bf16-strided"),
+    pytest.param(256, 16, 1, torch.float16, 0, [33, 17], [1, 16], [32, 1],
+                 id="d256-n16-fp16"),
+    pytest.param(80, 16, 2, torch.float32, 2, [20, 9], [5, 0], [15, 9],
+                 id="d80-n16-fp32-strided"),
+    pytest.param(96, 64, 1, torch.bfloat16, 0, [70, 2], [65, 0], [5, 2], id="d96-n64-bf16"),
+]
+
+
+@pytest.mark.parametrize("d,n,h,dtype,pad,seq_lens,starts,counts", GATHER_CASES)
+def test_gather_matches_reference(device, d, n, h, dtype, pad, seq_lens, starts, counts):
+    """Tokens [seq_starts, seq_starts + count) of ragged sequences (empty, single-token, middle
+    ranges) into a shared k/v workspace (k and v interleaved views with equal strides).
+    fp32: bit-exact; bf16/fp16: the reference rounded once to that dtype. Workspace rows
+    beyond cu_tokens[-1] untouched; pages not owned (garbage, NaN scale bytes) never read."""
+    gen = _gen(d + n)
+    k_scale, v_scale = 0.8125, 3.0
+    nb = sum(math.ceil(s / n) for s in seq_lens) + 3
+    cache, _, _, _ = cache_pair(nb, n, h, d, device, gen, pad)
+    table = fill_sequences(cache, seq_lens, n, gen, k_scale, v_scale)
+    cu = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    ss = torch.tensor(starts, dtype=torch.int32, device=device)
+    total = int(cu[-1])
+    ws = torch.full((total + 2, 2, h, d), 1024.0, dtype=dtype, device=device)
+    k_out, v_out = ws[:, 0], ws[:, 1]
+    K.gather_cache(cache, table, cu, ss, k_out, v_out, k_scale, v_scale,
+                   max_tokens=max(counts) + 5)
+    rk, rv = R.gather_cache(cache, table, cu, ss, d, k_scale, v_scale)
+    assert torch.isfinite(rk).all() and torch.isfinite(rv).all()
+    assert_rounded_from(k_out[:total], rk)
+    assert_rounded_from(v_out[:total], rv)
+    assert (ws[total:].float() == 1024.0).all()
+
+
+def test_gather_fp8_output_with_divisor(device):
+    """float8_e4m3fn workspace with out_div = 8 (a power of two: the division is exact and the
+    result is the reference / 8 rounded once to FP8). First with pages crafted so that every
+    value / 8 is an FP8 value (power-of-two block scales: no rounding, so this part holds
+    under the interpreter too), then, compiled only, writer-produced pages."""
+    d, n, h = 64, 16, 1
+    gen = _gen(21)
+    cache, _, _, _ = cache_pair(4, n, h, d, device, gen)
+    kd, ks, vd, vs = R.page_views(cache, d)
+    pow2 = torch.arange(5, 16, dtype=torch.uint8) << 3  # E4M3 2**-2 .. 2**8
+    for dd, sc in ((kd, ks), (vd, vs)):
+        dd[1:3] = torch.randint(0, 256, dd[1:3].shape, dtype=torch.uint8, generator=gen).to(device)
+        sc[1:3] = pow2[torch.randint(0, len(pow2), sc[1:3].shape, generator=gen)].to(device)
+    table = torch.tensor([[2, 1, 0]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 29], dtype=torch.int32, device=device)
+    ss = torch.tensor([1], dtype=torch.int32, device=device)
+    k_out = torch.empty(29, h, d, dtype=torch.float8_e4m3fn, device=device)
+    v_out = torch.empty_like(k_out)
+    K.gather_cache(cache, table, cu, ss, k_out, v_out, 2.0, 0.5, 29, out_div=8.0)
+    rk, rv = R.gather_cache(cache, table, cu, ss, d, 2.0, 0.5)
+    for out, ref in ((k_out, rk), (v_out, rv)):
+        want = (ref / 8).to(torch.float8_e4m3fn)
+        assert torch.equal(want.float(), ref / 8), "crafted to be exact"
+        assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+    if INTERPRETED:
+        return
+    table = fill_sequences(cache, [30], n, gen, 1.0, 0.5)
+    cu = torch.tensor([0, 30], dtype=torch.int32, device=device)
+    ss = torch.zeros(1, dtype=torch.int32, device=device)
+    K.gather_cache(cache, table, cu, ss, k_out, v_out, 1.0, 0.5, 30, out_div=8.0)
+    rk, rv = R.gather_cache(cache, table, cu, ss, d, 1.0, 0.5)
+    assert (rk.abs() / 8).max() <= 448 and (rv.abs() / 8).max() <= 448
+    assert torch.equal(k_out.view(torch.uint8), (rk / 8).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(v_out.view(torch.uint8), (rv / 8).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_gather_nothing_to_do(device):
+    d, n, h = 64, 16, 1
+    gen = _gen(22)
+    cache, _, _, _ = cache_pair(2, n, h, d, device, gen)
+    out = torch.full((4, h, d), 7.0, device=device)
+    out2 = out.clone()
+    table = torch.zeros(2, 2, dtype=torch.int32, device=device)
+    cu = torch.zeros(3, dtype=torch.int32, device=device)
+    ss = torch.zeros(2, dtype=torch.int32, device=device)
+    K.gather_cache(cache, table, cu, ss, out, out2, 1.0, 1.0, max_tokens=0)
+    K.gather_cache(cache, table, cu, ss, out, out2, 1.0, 1.0, max_tokens=16)  # all counts 0
+    K.gather_cache(cache, table[:0], cu[:1], ss[:0], out, out2, 1.0, 1.0, max_tokens=16)
+    assert (out == 7.0).all() and (out2 == 7.0).all()
+
+
+# ---------------------------------------------------------------- decode
+# Tolerance. K and V are decoded exactly (e2m1 * e4m3 * 2**-7 is exact in fp16); Q goes
+# bf16 -> fp16, exact for |q| in fp16's normal range (randn here); QK^T sums exact fp16
+# products in fp32; P is rounded to fp16 (2**-11 relative) for the P.V dot, which moves the
+# output by at most 2**-11 * max|v|; accumulation is fp32; the output is rounded to bf16
+# (2**-9 relative; 2**-8 under the interpreter, whose fp32 -> bf16 cast truncates). Softcap's
+# tanh via exp2 and the split-KV LSE merge add fp32-level errors. So atol = rtol = 2e-2 of
+# max(1, max|ref|) leaves a wide margin (measured worst case ~0.36 of it under the
+# interpreter, most of it the bf16 truncation); a wrong mask, scale, sink or split merge
+# moves outputs by far more.
+DECODE_TOL = 2e-2
+
+
+def _check_decode(out, ref, seq_lens):
+    out = out.float()
+    assert torch.isfinite(out).all()
+    empty = torch.tensor(seq_lens, device=out.device) == 0
+    assert (out[empty] == 0).all(), "empty sequences give zeros"
+    tol = DECODE_TOL * max(1.0, float(ref.abs().max()))
+    err = float((out - ref).abs().max())
+    assert err <= tol, f"max err {err:.3g} > tol {tol:.3g}"
+
+
+def _decode_case(device, d, n, hkv, qpk, seq_lens, k_scale=1.0, v_scale=1.0, pad=0,
+                 q_dtype=torch.bfloat16, seed=0):
+    gen = _gen(seed + d + n + hkv * 10 + qpk)
+    nb = sum(math.ceil(s / n) for s in seq_lens) + 3
+    cache, _, _, _ = cache_pair(nb, n, hkv, d, device, gen, pad)
+    table = fill_sequences(cache, seq_lens, n, gen, k_scale, v_scale, spread=2)
+    q = (torch.randn(len(seq_lens), hkv * qpk, d, generator=gen) * 2).to(q_dtype).to(device)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return cache, table, q, sl
+
+
+def _ref_decode(q, cache, table, sl, sm_scale, k_scale, v_scale, **kw):
+    cu = torch.arange(q.shape[0] + 1, device=q.device)
+    return R.paged_attention(q, cache, table, cu, sl, sm_scale, k_scale, v_scale, **kw)
+
+
+DECODE_CASES = [
+    # head_dim, block_size, kv_heads, GQA ratio, seq_lens, num_splits, pad_heads
+    pytest.param(64, 16, 1, 1, [1, 40, 0, 17], 1, 0, id="d64-n16-mha-s1"),
+    pytest.param(128, 64, 2, 4, [130, 0, 1, 64], 3, 2, id="d128-n64-gqa4-s3-strided"),
+    pytest.param(256, 16, 1, 8, [33, 2], 2, 0, id="d256-n16-gqa8-s2"),
+    pytest.param(128, 16, 1, 8, [70, 16], 1, 0, id="d128-n16-gqa8-s1"),
+    pytest.param(80, 16, 2, 4, [25, 1, 0], 2, 2, id="d80-n16-gqa4-s2-strided"),
+    pytest.param(96, 64, 1, 1, [65, 3], 1, 0, id="d96-n64-mha-s1"),
+]
+
+
+@pytest.mark.parametrize("d,n,hkv,qpk,seq_lens,splits,pad", DECODE_CASES)
+def test_decode_matches_reference(device, d, n, hkv, qpk, seq_lens, splits, pad):
+    k_scale, v_scale = 0.75, 1.5
+    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, k_scale, v_scale, pad)
+    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device=device)
+    sm = d ** -0.5
+    K.decode_attention(q, cache, table, sl, out, sm, k_scale, v_scale, num_splits=splits)
+    _check_decode(out, _ref_decode(q, cache, table, sl, sm, k_scale, v_scale), seq_lens)
+
+
+FEATURE_CASES = [
+    # sliding_window, softcap, sinks, num_splits
+    pytest.param(16, 0.0, False, 1, id="window16-s1"),
+    pytest.param(33, 0.0, False, 3, id="window33-s3"),
+    pytest.param(1, 0.0, False, 2, id="window1-s2"),
+    pytest.param(None, 5.0, False, 1, id="softcap5-s1"),
+    pytest.param(None, 30.0, False, 4, id="softcap30-s4"),
+    pytest.param(None, 0.0, True, 1, id="sinks-s1"),
+    pytest.param(None, 0.0, True, 3, id="sinks-s3"),
+    pytest.param(20, 10.0, True, 2, id="window-softcap-sinks-s2"),
+]
+
+
+@pytest.mark.parametrize("window,softcap,sinks,splits", FEATURE_CASES)
+def test_decode_features(device, window, softcap, sinks, splits):
+    """Sliding window (keys in (pos - w, pos]), logit softcap, per-head sinks, with one and
+    several splits; lengths below/at/above the window, one empty sequence, k/v scales != 1."""
+    d, n, hkv, qpk = 64, 16, 1, 4
+    seq_lens = [50, 16, 1, 0, 33]
+    k_scale, v_scale = 1.25, 0.4
+    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, k_scale, v_scale,
+                                       seed=int(softcap) + (window or 0))
+    sink_t = None
+    if sinks:
+        sink_t = torch.tensor([-1.0, 0.5, 3.0, 8.0], device=device)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+    sm = 2.0 * d ** -0.5  # sharper softmax so the window / softcap matter
+    K.decode_attention(q, cache, table, sl, out, sm, k_scale, v_scale, sliding_window=window,
+                       softcap=softcap, sinks=sink_t, num_splits=splits)
+    ref = _ref_decode(q, cache, table, sl, sm, k_scale, v_scale, sliding_window=window,
+                      softcap=softcap, sinks=sink_t)
+    _check_decode(out, ref, seq_lens)
+
+
+def test_decode_fp16_query_small_tiles_default_splits(device):
+    """fp16 q and output, BLOCK_N 16 (one page per tile), the default split choice."""
+    d, n, hkv, qpk = 128, 16, 2, 1
+    seq_lens = [47, 3]
+    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, 0.5, 2.0,
+                                       q_dtype=torch.float16)
+    ref = _ref_decode(q, cache, table, sl, 0.1, 0.5, 2.0)
+    for kw in ({"block_n": 16, "num_splits": 2}, {}):
+        out = torch.empty(q.shape, dtype=torch.float16, device=device)
+        K.decode_attention(q, cache, table, sl, out, 0.1, 0.5, 2.0, **kw)
+        _check_decode(out, ref, seq_lens)
+
+
+def test_decode_all_empty_and_zero_batch(device):
+    d, n = 64, 16
+    cache, table, q, _ = _decode_case(device, d, n, 1, 4, [5, 9])
+    sl = torch.zeros(2, dtype=torch.int32, device=device)
+    for splits, sinks in ((1, None), (2, None), (2, torch.zeros(4, device=device))):
+        out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device=device)
+        K.decode_attention(q, cache, table, sl, out, 0.125, 1.0, 1.0, sinks=sinks,
+                           num_splits=splits)
+        assert (out == 0).all()
+    empty = torch.empty(0, 4, d, dtype=torch.bfloat16, device=device)
+    K.decode_attention(empty, cache, table[:0], sl[:0], empty.clone(), 0.125, 1.0, 1.0)
+
+
+def test_garbage_pages_never_leak(device):
+    """A cache that is all 0x7F / 0xFF / random bytes except the owned slots: block-table
+    entries past each sequence's pages, and the rest of its last page, point at garbage. No
+    kernel output may become non-finite, and each still equals its reference."""
+    d, n, hkv = 64, 16, 1
+    gen = _gen(99)
+    for fill in (0x7F, 0xFF, None):
+        seq_lens = [18, 1, 0, 31]
+        nb = 8
+        cache, _, buf, _ = cache_pair(nb, n, hkv, d, device, gen)
+        if fill is not None:
+            buf.fill_(fill)
+        table = fill_sequences(cache, seq_lens, n, gen, 1.0, 1.0, extra_cols=3)
+        q = torch.randn(len(seq_lens), 4, d, generator=gen).to(torch.bfloat16).to(device)
+        sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        for splits in (1, 2):
+            out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+            K.decode_attention(q, cache, table, sl, out, 0.125, 1.0, 1.0, num_splits=splits)
+            _check_decode(out, _ref_decode(q, cache, table, sl, 0.125, 1.0, 1.0), seq_lens)
+        cu = torch.tensor([0] + seq_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        k_out = torch.empty(int(cu[-1]), hkv, d, device=device)
+        v_out = torch.empty_like(k_out)
+        ss = torch.zeros(len(seq_lens), dtype=torch.int32, device=device)
+        K.gather_cache(cache, table, cu.to(device), ss, k_out, v_out, 1.0, 1.0, max(seq_lens))
+        assert torch.isfinite(k_out).all() and torch.isfinite(v_out).all()
+        rk, rv = R.gather_cache(cache, table, cu.to(device), ss, d, 1.0, 1.0)
+        assert torch.equal(k_out, rk) and torch.equal(v_out, rv)
+
+
+def test_write_then_decode_end_to_end(device):
+    """The kernel writer feeding the kernel decoder (vLLM's order: write this step's token,
+    then attend over the cache), against the reference over the reference-written cache."""
+    d, n, hkv, qpk = 128, 16, 1, 4
+    gen = _gen(7)
+    seq_lens = [20, 5]
+    cache, cache_ref, buf, buf_ref = cache_pair(5, n, hkv, d, device, gen)
+    table = torch.tensor([[3, 0], [1, 4]], dtype=torch.int32, device=device)
+    slots = torch.cat([(table[b, torch.arange(s, device=device) // n].long() * n
+                        + torch.arange(s, device=device) % n) for b, s in enumerate(seq_lens)])
+    key, value = (rand_kv(sum(seq_lens), hkv, d, gen, torch.bfloat16, device) for _ in range(2))
+    K.write_cache(cache, key, value, slots, 0.5, 0.25)
+    R.write_cache(cache_ref, key, value, slots, 0.5, 0.25)
+    assert torch.equal(buf, buf_ref)
+    q = torch.randn(2, hkv * qpk, d, generator=gen).to(torch.bfloat16).to(device)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+    K.decode_attention(q, cache, table, sl, out, d ** -0.5, 0.5, 0.25, num_splits=2)
+    _check_decode(out, _ref_decode(q, cache_ref, table, sl, d ** -0.5, 0.5, 0.25), seq_lens)
+
+
+def test_choose_num_splits():
+    dev = torch.device("cpu")
+    for batch, heads, max_len in ((1, 1, 10), (1, 8, 100000), (64, 8, 4096), (2, 1, 300)):
+        s = K.choose_num_splits(batch, heads, max_len, dev)
+        assert 1 <= s <= 64
+        assert s <= max(1, math.ceil(max_len / 256))
+    assert K.choose_num_splits(1, 1, 10, dev) == 1
+    assert K.choose_num_splits(1, 1, 10 ** 6, dev) == K.choose_num_splits(1, 1, 10 ** 7, dev)
