@@ -11,11 +11,12 @@ from .format import PageLayout
 
 
 @triton.jit
-def _gather_kernel(cache_ptr, block_table_ptr, cu_tokens_ptr, seq_starts_ptr,
+def _gather_kernel(cache_ptr, block_table_ptr, cu_tokens_ptr, seq_starts_ptr, out_starts_ptr,
                    k_out_ptr, v_out_ptr, k_scale_ptr, v_scale_ptr, out_div,
                    stride_bt, page_stride, stride_ot, stride_oh,
                    H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-                   BLOCK_T: tl.constexpr, USE_ASM: tl.constexpr):
+                   BLOCK_T: tl.constexpr, USE_ASM: tl.constexpr,
+                   HAS_OUT_STARTS: tl.constexpr):
     b = tl.program_id(0)
     tile = tl.program_id(1)
     h = tl.program_id(2)
@@ -23,6 +24,8 @@ def _gather_kernel(cache_ptr, block_table_ptr, cu_tokens_ptr, seq_starts_ptr,
     count = tl.load(cu_tokens_ptr + b + 1) - out0
     if tile * BLOCK_T >= count:
         return
+    if HAS_OUT_STARTS:
+        out0 = tl.load(out_starts_ptr + b)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < count
     pos = tl.load(seq_starts_ptr + b) + t
@@ -48,9 +51,11 @@ def _gather_kernel(cache_ptr, block_table_ptr, cu_tokens_ptr, seq_starts_ptr,
 
 def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: torch.Tensor,
                  seq_starts: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
-                 k_scale, v_scale, max_tokens: int, out_div: float = 1.0) -> None:
+                 k_scale, v_scale, max_tokens: int, out_div: float = 1.0,
+                 out_starts: torch.Tensor | None = None) -> None:
     """Dequantize tokens [seq_starts[b], seq_starts[b] + cu_tokens[b+1] - cu_tokens[b]) of each
-    sequence b into rows cu_tokens[b]: of k_out / v_out [>= cu_tokens[-1], H, D].
+    sequence b into rows cu_tokens[b]: (or out_starts[b]: when given) of k_out / v_out
+    [rows, H, D].
 
     block_table [B, max_blocks] int32; cu_tokens [B+1], seq_starts [B] int32 on the device;
     max_tokens: an upper bound of the per-sequence counts (sizes the grid; host int).
@@ -67,9 +72,11 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: t
     block_t = 32 if d <= 128 else 16
     grid = (b, triton.cdiv(max_tokens, block_t), h)
     _gather_kernel[grid](
-        kv_cache, block_table, cu_tokens, seq_starts, k_out, v_out,
+        kv_cache, block_table, cu_tokens, seq_starts,
+        out_starts if out_starts is not None else cu_tokens, k_out, v_out,
         torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1),
         torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1),
         float(out_div), block_table.stride(0), kv_cache.stride(0), k_out.stride(0),
         k_out.stride(1), H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // 16),
-        BLOCK_T=block_t, USE_ASM=dev.type == "cuda", num_warps=4)
+        BLOCK_T=block_t, USE_ASM=dev.type == "cuda", HAS_OUT_STARTS=out_starts is not None,
+        num_warps=4)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -45,15 +46,24 @@ def garbage(shape, gen) -> torch.Tensor:
     return x
 
 
-def cache_pair(nb, n, h, d, device, gen, pad_heads=0):
+def cache_pair(nb, n, h, d, device, gen, layout="plain"):
     """Two identical garbage caches [nb, 2h, n, F] (kernel's, reference's) and their backing
-    buffers. pad_heads > 0: each cache is a view [:, :2h] of a [nb, 2h + pad, n, F] buffer,
-    so pages stay contiguous but the page stride exceeds the page size."""
+    buffers. layout "pad": each cache is the view [:, :2h] of a [nb, 2h + 2, n, F] buffer, so
+    pages stay contiguous but the page stride exceeds the page size; "offset": the view
+    [2:2 + nb] of a buffer of nb + 3 pages (nonzero storage offset, pages beyond both ends)."""
     shape = list(kv_cache_shape(nb, n, h, d))
-    shape[1] += pad_heads
+    first = 0
+    if layout == "pad":
+        shape[1] += 2
+    elif layout == "offset":
+        shape[0] += 3
+        first = 2
+    else:
+        assert layout == "plain"
     buf = garbage(shape, gen).to(device)
     buf_ref = buf.clone()
-    return buf[:, :2 * h], buf_ref[:, :2 * h], buf, buf_ref
+    view = (slice(first, first + nb), slice(0, 2 * h))
+    return buf[view], buf_ref[view], buf, buf_ref
 
 
 def rand_kv(t, h, d, gen, dtype=torch.float32, device="cpu", spread=6):
@@ -66,7 +76,8 @@ def fill_sequences(cache, seq_lens, n, gen, k_scale, v_scale, extra_cols=2, spre
     """Give each sequence distinct random pages, write its tokens through the reference writer
     (the kernel writer is tested separately), and return an int32 block table whose entries
     beyond each sequence's pages (extra_cols more than needed) point at pages nobody owns
-    (garbage). The unused slots of each sequence's last page stay garbage too."""
+    (garbage). The unused slots of each sequence's last page stay garbage too. The table is a
+    column slice of a wider one (row stride > width), as vLLM's persistent tables are."""
     nb, two_h, _, _ = cache.shape
     h = two_h // 2
     d = (cache.shape[3] * 16) // 9
@@ -75,7 +86,8 @@ def fill_sequences(cache, seq_lens, n, gen, k_scale, v_scale, extra_cols=2, spre
     perm = torch.randperm(nb, generator=gen)
     spare = perm[sum(need):]
     assert len(spare) > 0
-    table = torch.empty(len(seq_lens), cols, dtype=torch.int32)
+    wide = spare[0].repeat(len(seq_lens), cols + 3).to(torch.int32)
+    table = wide[:, :cols]
     used = 0
     for b, (s, k) in enumerate(zip(seq_lens, need)):
         own = perm[used:used + k]
@@ -159,26 +171,30 @@ def _fused_qkv(t, hq, hkv, d, gen, dtype, device):
 
 
 WRITE_CASES = [
-    # head_dim, block_size, kv_heads, dtype, pad_heads (page stride > page), fused qkv views
-    pytest.param(64, 16, 1, torch.bfloat16, 0, False, id="d64-n16-bf16"),
-    pytest.param(128, 64, 2, torch.float16, 2, True, id="d128-n64-fp16-strided-fused"),
-    pytest.param(256, 16, 1, torch.float32, 0, True, id="d256-n16-fp32-fused"),
-    pytest.param(80, 16, 2, torch.bfloat16, 2, False, id="d80-n16-bf16-strided"),
-    pytest.param(96, 64, 1, torch.float32, 0, False, id="d96-n64-fp32"),
+    # head_dim, block_size, kv_heads, dtype, cache layout (see cache_pair), key/value views
+    pytest.param(64, 16, 1, torch.bfloat16, "offset", "contiguous", id="d64-n16-bf16-offset"),
+    pytest.param(128, 64, 2, torch.float16, "pad", "fused", id="d128-n64-fp16-pad-fused"),
+    pytest.param(256, 16, 1, torch.float32, "plain", "fused", id="d256-n16-fp32-fused"),
+    pytest.param(80, 16, 2, torch.bfloat16, "pad", "head-major", id="d80-n16-bf16-pad-hmajor"),
+    pytest.param(96, 64, 1, torch.float32, "plain", "contiguous", id="d96-n64-fp32"),
 ]
 
 
-@pytest.mark.parametrize("d,n,h,dtype,pad,fused", WRITE_CASES)
-def test_write_cache_matches_reference(device, d, n, h, dtype, pad, fused):
+@pytest.mark.parametrize("d,n,h,dtype,layout,views", WRITE_CASES)
+def test_write_cache_matches_reference(device, d, n, h, dtype, layout, views):
     """Bit-exact vs reference.write_cache over the whole backing buffer: negative slots
     skipped, other slots' bytes (and the padding between pages) untouched; key/value may have
     more rows than slot_mapping; scales as floats or tensors."""
     gen = _gen(d * 7 + n)
     nb, t = 4, 12
-    cache, cache_ref, buf, buf_ref = cache_pair(nb, n, h, d, device, gen, pad)
-    if fused:
+    cache, cache_ref, buf, buf_ref = cache_pair(nb, n, h, d, device, gen, layout)
+    if views == "fused":
         key, value = _fused_qkv(t + 3, 2 * h, h, d, gen, dtype, device)
         assert not key.is_contiguous()
+    elif views == "head-major":  # [H, T, D] storage seen as [T, H, D]
+        key, value = (rand_kv(h, t + 3, d, gen, dtype, device).transpose(0, 1)
+                      for _ in range(2))
+        assert key.stride(1) == (t + 3) * d
     else:
         key, value = (rand_kv(t + 3, h, d, gen, dtype, device) for _ in range(2))
     slots = torch.randperm(nb * n, generator=gen)[:t]
@@ -294,23 +310,48 @@ def test_write_cache_int32_slots(device):
     assert torch.equal(buf, buf_ref)
 
 
+HEAD_DIMS = (64, 80, 96, 128, 256)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_write_cache_random_configs(device, seed):
+    """Seeded random sweep: head dim, block size, heads, dtype, layout, slots (some negative),
+    global scales; bit-exact over the whole backing buffer."""
+    rng = random.Random(seed)
+    d, n, h = rng.choice(HEAD_DIMS), rng.choice((16, 32, 64)), rng.choice((1, 2, 3))
+    dtype = rng.choice((torch.bfloat16, torch.float16, torch.float32))
+    nb, t = rng.randint(1, 4), rng.randint(1, 10)
+    gen = _gen(1000 + seed)
+    cache, cache_ref, buf, buf_ref = cache_pair(nb, n, h, d, device, gen,
+                                                rng.choice(("plain", "pad", "offset")))
+    key, value = _fused_qkv(t, rng.choice((0, 4)), h, d, gen, dtype, device)
+    slots = torch.randperm(nb * n, generator=gen)[:t]
+    slots[torch.rand(slots.shape, generator=gen) < 0.3] = -1
+    slots = slots.to(device)
+    k_scale, v_scale = rng.choice((1.0, 0.01, 3.7)), rng.choice((1.0, 0.2, 96.0))
+    K.write_cache(cache, key, value, slots, k_scale, v_scale)
+    R.write_cache(cache_ref, key, value, slots, k_scale, v_scale)
+    assert torch.equal(buf, buf_ref)
+
+
 # ---------------------------------------------------------------- gather
 GATHER_CASES = [
-    # head_dim, block_size, kv_heads, out dtype, pad_heads, seq_lens, seq_starts, counts
-    pytest.param(64, 16, 1, torch.float32, 0, [40, 1, 0, 23], [3, 0, 0, 17], [37, 1, 0, 6],
-                 id="d64-n16-fp32"),
-    pytest.param(128, 64, 2, torch.bfloat16, 2, [130, 5, 64], [60, 4, 0], [70, 1, 64],
-                 id="d128-n64-bf16-strided"),
-    pytest.param(256, 16, 1, torch.float16, 0, [33, 17], [1, 16], [32, 1],
+    # head_dim, block_size, kv_heads, out dtype, cache layout, seq_lens, seq_starts, counts
+    pytest.param(64, 16, 1, torch.float32, "offset", [40, 1, 0, 23], [3, 0, 0, 17],
+                 [37, 1, 0, 6], id="d64-n16-fp32-offset"),
+    pytest.param(128, 64, 2, torch.bfloat16, "pad", [130, 5, 64], [60, 4, 0], [70, 1, 64],
+                 id="d128-n64-bf16-pad"),
+    pytest.param(256, 16, 1, torch.float16, "plain", [33, 17], [1, 16], [32, 1],
                  id="d256-n16-fp16"),
-    pytest.param(80, 16, 2, torch.float32, 2, [20, 9], [5, 0], [15, 9],
-                 id="d80-n16-fp32-strided"),
-    pytest.param(96, 64, 1, torch.bfloat16, 0, [70, 2], [65, 0], [5, 2], id="d96-n64-bf16"),
+    pytest.param(80, 16, 2, torch.float32, "pad", [20, 9], [5, 0], [15, 9],
+                 id="d80-n16-fp32-pad"),
+    pytest.param(96, 64, 1, torch.bfloat16, "plain", [70, 2], [65, 0], [5, 2],
+                 id="d96-n64-bf16"),
 ]
 
 
-@pytest.mark.parametrize("d,n,h,dtype,pad,seq_lens,starts,counts", GATHER_CASES)
-def test_gather_matches_reference(device, d, n, h, dtype, pad, seq_lens, starts, counts):
+@pytest.mark.parametrize("d,n,h,dtype,layout,seq_lens,starts,counts", GATHER_CASES)
+def test_gather_matches_reference(device, d, n, h, dtype, layout, seq_lens, starts, counts):
     """Tokens [seq_starts, seq_starts + count) of ragged sequences (empty, single-token, middle
     ranges) into a shared k/v workspace (k and v interleaved views with equal strides).
     fp32: bit-exact; bf16/fp16: the reference rounded once to that dtype. Workspace rows
@@ -318,7 +359,7 @@ def test_gather_matches_reference(device, d, n, h, dtype, pad, seq_lens, starts,
     gen = _gen(d + n)
     k_scale, v_scale = 0.8125, 3.0
     nb = sum(math.ceil(s / n) for s in seq_lens) + 3
-    cache, _, _, _ = cache_pair(nb, n, h, d, device, gen, pad)
+    cache, _, _, _ = cache_pair(nb, n, h, d, device, gen, layout)
     table = fill_sequences(cache, seq_lens, n, gen, k_scale, v_scale)
     cu = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
     ss = torch.tensor(starts, dtype=torch.int32, device=device)
@@ -332,6 +373,33 @@ def test_gather_matches_reference(device, d, n, h, dtype, pad, seq_lens, starts,
     assert_rounded_from(k_out[:total], rk)
     assert_rounded_from(v_out[:total], rv)
     assert (ws[total:].float() == 1024.0).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gather_random_configs(device, seed):
+    """Seeded random sweep: ragged batches with random [start, start + count) ranges."""
+    rng = random.Random(seed)
+    d, n, h = rng.choice(HEAD_DIMS), rng.choice((16, 32, 64)), rng.choice((1, 2))
+    dtype = rng.choice((torch.float32, torch.bfloat16, torch.float16))
+    seq_lens = [rng.choice((0, 1, rng.randint(1, 3 * n))) for _ in range(rng.randint(1, 4))]
+    starts = [rng.randint(0, s) for s in seq_lens]
+    counts = [rng.randint(0, s - st) for s, st in zip(seq_lens, starts)]
+    gen = _gen(2000 + seed)
+    k_scale, v_scale = rng.choice((1.0, 0.05)), rng.choice((1.0, 7.5))
+    nb = sum(math.ceil(s / n) for s in seq_lens) + 2
+    cache, _, _, _ = cache_pair(nb, n, h, d, device, gen, rng.choice(("plain", "pad", "offset")))
+    table = fill_sequences(cache, seq_lens, n, gen, k_scale, v_scale)
+    cu = torch.tensor([0] + counts).cumsum(0).to(torch.int32).to(device)
+    ss = torch.tensor(starts, dtype=torch.int32, device=device)
+    total = int(cu[-1])
+    k_out = torch.full((total + 1, h, d), 3.0, dtype=dtype, device=device)
+    v_out = torch.full((total + 1, h, d), 3.0, dtype=dtype, device=device)
+    K.gather_cache(cache, table, cu, ss, k_out, v_out, k_scale, v_scale,
+                   max_tokens=max(counts))
+    rk, rv = R.gather_cache(cache, table, cu, ss, d, k_scale, v_scale)
+    assert_rounded_from(k_out[:total], rk)
+    assert_rounded_from(v_out[:total], rv)
+    assert (k_out[total:] == 3.0).all() and (v_out[total:] == 3.0).all()
 
 
 def test_gather_fp8_output_with_divisor(device):
@@ -408,13 +476,17 @@ def _check_decode(out, ref, seq_lens):
     assert err <= tol, f"max err {err:.3g} > tol {tol:.3g}"
 
 
-def _decode_case(device, d, n, hkv, qpk, seq_lens, k_scale=1.0, v_scale=1.0, pad=0,
-                 q_dtype=torch.bfloat16, seed=0):
+def _decode_case(device, d, n, hkv, qpk, seq_lens, k_scale=1.0, v_scale=1.0, layout="plain",
+                 q_dtype=torch.bfloat16, seed=0, fused_q=False):
+    """Cache with the sequences written (garbage elsewhere), block table, q, seq_lens.
+    fused_q: q is a strided view of a fused qkv tensor [B, (Hq + 2 Hkv) D]."""
     gen = _gen(seed + d + n + hkv * 10 + qpk)
     nb = sum(math.ceil(s / n) for s in seq_lens) + 3
-    cache, _, _, _ = cache_pair(nb, n, hkv, d, device, gen, pad)
+    cache, _, _, _ = cache_pair(nb, n, hkv, d, device, gen, layout)
     table = fill_sequences(cache, seq_lens, n, gen, k_scale, v_scale, spread=2)
-    q = (torch.randn(len(seq_lens), hkv * qpk, d, generator=gen) * 2).to(q_dtype).to(device)
+    hq, b = hkv * qpk, len(seq_lens)
+    q = (torch.randn(b, hq + 2 * hkv if fused_q else hq, d, generator=gen) * 2)
+    q = q.to(q_dtype).to(device)[:, :hq]
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return cache, table, q, sl
 
@@ -425,24 +497,31 @@ def _ref_decode(q, cache, table, sl, sm_scale, k_scale, v_scale, **kw):
 
 
 DECODE_CASES = [
-    # head_dim, block_size, kv_heads, GQA ratio, seq_lens, num_splits, pad_heads
-    pytest.param(64, 16, 1, 1, [1, 40, 0, 17], 1, 0, id="d64-n16-mha-s1"),
-    pytest.param(128, 64, 2, 4, [130, 0, 1, 64], 3, 2, id="d128-n64-gqa4-s3-strided"),
-    pytest.param(256, 16, 1, 8, [33, 2], 2, 0, id="d256-n16-gqa8-s2"),
-    pytest.param(128, 16, 1, 8, [70, 16], 1, 0, id="d128-n16-gqa8-s1"),
-    pytest.param(80, 16, 2, 4, [25, 1, 0], 2, 2, id="d80-n16-gqa4-s2-strided"),
-    pytest.param(96, 64, 1, 1, [65, 3], 1, 0, id="d96-n64-mha-s1"),
+    # head_dim, block_size, kv_heads, GQA ratio, seq_lens, num_splits, cache layout
+    pytest.param(64, 16, 1, 1, [1, 40, 0, 17], 1, "offset", id="d64-n16-mha-s1-offset"),
+    pytest.param(128, 64, 2, 4, [130, 0, 1, 64], 3, "pad", id="d128-n64-gqa4-s3-pad"),
+    pytest.param(256, 16, 1, 8, [33, 2], 2, "plain", id="d256-n16-gqa8-s2"),
+    pytest.param(128, 16, 1, 8, [70, 16], 1, "plain", id="d128-n16-gqa8-s1"),
+    pytest.param(80, 16, 2, 4, [25, 1, 0], 2, "pad", id="d80-n16-gqa4-s2-pad"),
+    pytest.param(96, 64, 1, 1, [65, 3], 1, "plain", id="d96-n64-mha-s1"),
 ]
 
 
-@pytest.mark.parametrize("d,n,hkv,qpk,seq_lens,splits,pad", DECODE_CASES)
-def test_decode_matches_reference(device, d, n, hkv, qpk, seq_lens, splits, pad):
+@pytest.mark.parametrize("d,n,hkv,qpk,seq_lens,splits,layout", DECODE_CASES)
+def test_decode_matches_reference(device, d, n, hkv, qpk, seq_lens, splits, layout):
     k_scale, v_scale = 0.75, 1.5
-    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, k_scale, v_scale, pad)
-    out = torch.full(q.shape, math.nan, dtype=torch.bfloat16, device=device)
+    fused = layout == "pad"  # strided q and out too
+    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, k_scale, v_scale,
+                                       layout, fused_q=fused)
+    b, hq, _ = q.shape
+    big = torch.full((b, hq + fused, d), math.nan, dtype=torch.bfloat16, device=device)
+    out = big[:, :hq]
     sm = d ** -0.5
-    K.decode_attention(q, cache, table, sl, out, sm, k_scale, v_scale, num_splits=splits)
+    K.decode_attention(q, cache, table, sl, out, sm, torch.tensor([k_scale], device=device),
+                       v_scale, num_splits=splits)
     _check_decode(out, _ref_decode(q, cache, table, sl, sm, k_scale, v_scale), seq_lens)
+    if fused:
+        assert big[:, hq:].isnan().all(), "wrote outside out"
 
 
 FEATURE_CASES = [
@@ -476,6 +555,35 @@ def test_decode_features(device, window, softcap, sinks, splits):
                        softcap=softcap, sinks=sink_t, num_splits=splits)
     ref = _ref_decode(q, cache, table, sl, sm, k_scale, v_scale, sliding_window=window,
                       softcap=softcap, sinks=sink_t)
+    _check_decode(out, ref, seq_lens)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_random_configs(device, seed):
+    """Seeded random sweep over every decode option at once: head dim, block size, GQA ratio,
+    ragged/empty/single-token lengths, splits (also more than the tiles), tile size, sliding
+    window, softcap, sinks, k/v scales, q dtype."""
+    rng = random.Random(seed)
+    d, n = rng.choice(HEAD_DIMS), rng.choice((16, 32, 64))
+    hkv, qpk = rng.choice((1, 2)), rng.choice((1, 2, 4, 8))
+    seq_lens = [rng.choice((0, 1, rng.randint(1, 4 * n))) for _ in range(rng.randint(1, 4))]
+    splits, block_n = rng.choice((1, 2, 3, 5, 8)), rng.choice((16, 32, 64))
+    window = rng.choice((None, None, rng.randint(1, 100)))
+    softcap = rng.choice((0.0, 0.0, rng.uniform(2.0, 50.0)))
+    k_scale, v_scale = rng.choice((1.0, 0.3, 2.7)), rng.choice((1.0, 0.6, 4.0))
+    q_dtype = rng.choice((torch.bfloat16, torch.float16))
+    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, k_scale, v_scale,
+                                       rng.choice(("plain", "pad", "offset")), q_dtype,
+                                       seed=seed, fused_q=rng.random() < 0.5)
+    sinks = None
+    if rng.random() < 0.4:
+        sinks = (torch.randn(hkv * qpk, generator=_gen(seed)) * 3).to(device)
+    sm = rng.uniform(0.5, 2.0) * d ** -0.5
+    out = torch.empty(q.shape, dtype=q_dtype, device=device)
+    K.decode_attention(q, cache, table, sl, out, sm, k_scale, v_scale, sliding_window=window,
+                       softcap=softcap, sinks=sinks, num_splits=splits, block_n=block_n)
+    ref = _ref_decode(q, cache, table, sl, sm, k_scale, v_scale, sliding_window=window,
+                      softcap=softcap, sinks=sinks)
     _check_decode(out, ref, seq_lens)
 
 

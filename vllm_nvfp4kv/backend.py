@@ -1,0 +1,252 @@
+"""vLLM attention backend for the NVFP4 KV cache (``--kv-cache-dtype nvfp4``) on GPUs where
+vLLM has none (SM80-SM90, and SM120), and on vLLM's CPU platform (torch references).
+
+Wiring only; the math lives in ``vllm_nvfp4kv.kernels`` (page format, writer, gather, decode)
+and ``prefill.py`` (initial and chunked prefill). The cache page layout is the one vLLM 0.26
+sizes for NVFP4 (``[num_blocks, 2*H, N, D/2 + D/16]`` uint8; K/V data then scales per side,
+head-major, linear scales): see ``kernels/format.py``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                       AttentionMetadata, AttentionMetadataBuilder,
+                                       AttentionType, CommonAttentionMetadata)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, write_cache
+from vllm_nvfp4kv.kernels.decode import choose_num_splits
+from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
+from vllm_nvfp4kv.scales import check_scales, global_scales
+from vllm_nvfp4kv.workspace import workspace_capacity, workspace_views
+
+logger = logging.getLogger("vllm_nvfp4kv")
+
+
+class NvFp4AttentionBackend(AttentionBackend):
+    """Registered as AttentionBackendEnum.CUSTOM (vLLM requires the member name)."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["nvfp4"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int]:
+        return list(fmt.SUPPORTED_BLOCK_SIZES)
+
+    @staticmethod
+    def get_impl_cls() -> type["NvFp4AttentionImpl"]:
+        return NvFp4AttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["NvFp4MetadataBuilder"]:
+        return NvFp4MetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int, cache_dtype_str: str = "nvfp4") -> tuple[int, ...]:
+        if cache_dtype_str != "nvfp4":
+            raise ValueError(f"the NVFP4 backend serves kv_cache_dtype 'nvfp4' only, got "
+                             f"{cache_dtype_str!r}; layers skipped from NVFP4 need another "
+                             "backend (leave --attention-backend unset)")
+        return fmt.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        # Identity (blocks first, head-major pages) whatever vLLM's global NHD/HND setting:
+        # the format owns the bytes inside a page.
+        return (1, 0, 2, 3, 4) if include_num_layers_dimension else (0, 1, 2, 3)
+
+    @classmethod
+    def get_required_kv_cache_layout(cls):
+        return None
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size % fmt.GROUP_SIZE == 0 and 32 <= head_size <= 512
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return capability.major >= 8
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+
+@dataclass
+class NvFp4Metadata(AttentionMetadata):
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    seq_lens: torch.Tensor          # [num_reqs] int32, tokens including this step's
+    block_table: torch.Tensor       # [num_reqs, max_blocks] int32
+    slot_mapping: torch.Tensor      # [num_tokens] int64
+    decode_num_splits: int
+    max_seq_len: int
+    prefill: PrefillPlan | None
+
+
+class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
+    """Per-step planning (split-KV count, prefill rounds and index tensors), done once per
+    step and shared by every layer."""
+
+    # Full CUDA graphs for uniform decode batches; mixed batches run attention eagerly.
+    _cudagraph_support: ClassVar[AttentionCGSupport] = \
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.head_size = kv_cache_spec.head_size
+        self.window = getattr(kv_cache_spec, "sliding_window", None)
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.capacity = workspace_capacity(vllm_config, self.window)
+        workspace_views(self.capacity, self.num_kv_heads, self.head_size,
+                        vllm_config.model_config.dtype, device)  # reserve before capture
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> NvFp4Metadata:
+        cam = common_attn_metadata
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(
+            cam, decode_threshold=self.reorder_batch_threshold)
+        plan = None
+        if num_prefills:
+            seq_lens_cpu = cam.seq_lens_cpu_upper_bound  # exact for prefill rows
+            if seq_lens_cpu is None:
+                seq_lens_cpu = cam.seq_lens.cpu()
+            plan = plan_prefill(cam.query_start_loc_cpu, seq_lens_cpu, num_decodes,
+                                num_decodes + num_prefills, self.capacity, self.window,
+                                self.device)
+        # split count from the batch shape only: valid for every replay of a captured graph
+        splits = choose_num_splits(max(num_decodes, 1), self.num_kv_heads, self.max_model_len,
+                                   self.device)
+        return NvFp4Metadata(
+            num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,
+            seq_lens=cam.seq_lens, block_table=cam.block_table_tensor,
+            slot_mapping=cam.slot_mapping, decode_num_splits=splits,
+            max_seq_len=cam.max_seq_len, prefill=plan)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
+        md = self.build(0, common_attn_metadata)
+        md.seq_lens.fill_(1)  # real lengths arrive at replay
+        return md
+
+
+class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
+    supports_quant_query_input: bool = False  # Q stays BF16/FP16
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks=None, **kwargs):
+        refuse = []
+        if alibi_slopes is not None:
+            refuse.append("ALiBi")
+        if attn_type != AttentionType.DECODER:
+            refuse.append(f"attention type {attn_type} (encoder/cross attention)")
+        if kv_sharing_target_layer_name is not None:
+            refuse.append("cross-layer KV sharing")
+        if kv_cache_dtype != "nvfp4":
+            refuse.append(f"kv_cache_dtype {kv_cache_dtype!r} on a layer routed to this backend")
+        if refuse:
+            raise NotImplementedError(
+                "NVFP4 KV cache (vllm-nvfp4kv) does not support " + ", ".join(refuse)
+                + ". Use --kv-cache-dtype fp8 or auto for this model.")
+        fmt.check_head_dim(head_size)
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.window = sliding_window
+        self.softcap = float(logits_soft_cap or 0.0)
+        self.sinks = sinks
+        self.fa_version = None
+        self._checked = False
+        # the workspace size, from the config in force while the model is built
+        self.ws_capacity = workspace_capacity(get_current_vllm_config(), sliding_window)
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype):
+        if self.sinks is not None:
+            self.sinks = self.sinks.float()
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        k_scale, v_scale = global_scales(layer)
+        if not self._checked:  # once, at the first write (a host read of the two scalars)
+            check_scales(getattr(layer, "layer_name", "?"), float(k_scale), float(v_scale))
+            self._checked = True
+        if kv_cache.is_cuda:
+            write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale)
+        else:
+            t = slot_mapping.shape[0]
+            reference.write_cache(kv_cache, key[:t], value[:t], slot_mapping, k_scale, v_scale)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: NvFp4Metadata | None,
+                output: torch.Tensor, output_scale=None, output_block_scale=None,
+                output_lse=None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("NVFP4 KV backend: fused output quantization")
+        if attn_metadata is None:  # profiling run: make the workspace count in the budget
+            workspace_views(self.ws_capacity, self.num_kv_heads, self.head_size, query.dtype,
+                            query.device)
+            return output.fill_(0)
+        md = attn_metadata
+        n = md.num_actual_tokens
+        q = query[:n].view(-1, self.num_heads, self.head_size)
+        out = output[:n].view(-1, self.num_heads, self.head_size)
+        k_scale, v_scale = global_scales(layer)
+        nd = md.num_decode_tokens
+        if md.num_decodes:
+            self._decode(q[:nd], kv_cache, md, out[:nd], k_scale, v_scale)
+        if md.num_prefills:
+            if self.fa_version is None and q.is_cuda:
+                from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+                self.fa_version = get_flash_attn_version(head_size=self.head_size,
+                                                         has_sinks=self.sinks is not None)
+            ws_k, ws_v = workspace_views(md.prefill.ws_rows, self.num_kv_heads, self.head_size,
+                                         query.dtype, query.device)
+            key = key[:n].view(-1, self.num_kv_heads, self.head_size)
+            value = value[:n].view(-1, self.num_kv_heads, self.head_size)
+            run_prefill(md.prefill, q, key, value, out, kv_cache, md.block_table, ws_k, ws_v,
+                        k_scale, v_scale, self.scale, self.window, self.softcap, self.sinks,
+                        self.fa_version)
+        return output
+
+    def _decode(self, q, kv_cache, md, out, k_scale, v_scale):
+        b = md.num_decodes
+        if q.is_cuda:
+            decode_attention(q, kv_cache, md.block_table[:b], md.seq_lens[:b], out, self.scale,
+                             k_scale, v_scale, sliding_window=self.window,
+                             softcap=self.softcap, sinks=self.sinks,
+                             num_splits=md.decode_num_splits)
+        else:
+            res = reference.paged_attention(q, kv_cache, md.block_table[:b],
+                                            torch.arange(b + 1), md.seq_lens[:b], self.scale,
+                                            k_scale, v_scale, self.window, self.softcap,
+                                            self.sinks)
+            out.copy_(res.to(out.dtype))

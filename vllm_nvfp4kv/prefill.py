@@ -1,0 +1,196 @@
+"""Prefill paths of the NVFP4 backend (the seed design's paths 1 and 2).
+
+* Initial prefill (no cached prefix in the step): attention over the step's own unquantized
+  K/V; the same K/V are quantized into the cache by the writer (do_kv_cache_update).
+* Chunked prefill / extend: the cached prefixes are dequantized by ONE gather launch into a
+  workspace shared by all layers, the chunk's own (exact) K/V join them, and one varlen
+  attention call covers both. Requests are packed into rounds that fit the workspace; a
+  prefix longer than the workspace is attended in pieces merged by LSE.
+
+Planning (index math, rounds, device index tensors) happens once per step in the metadata
+builder (``plan_prefill``); the per-layer path (``run_prefill``) only launches kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_nvfp4kv.dense_attention import dense_attention, merge_lse
+from vllm_nvfp4kv.kernels import gather_cache, reference
+
+
+@dataclass
+class Round:
+    """Prefill requests r0:r1 (batch rows), query rows t0:t1, attended in one call."""
+    r0: int
+    r1: int
+    t0: int
+    t1: int
+    cu_q: torch.Tensor              # [n+1] int32, round-local query offsets
+    cu_k: torch.Tensor              # [n+1] int32, workspace (or own K/V) offsets
+    cu_q_cpu: torch.Tensor
+    cu_k_cpu: torch.Tensor
+    max_q: int
+    max_k: int
+    ws_tokens: int = 0              # 0: no cached prefix, attend the step's own K/V
+    cu_ctx: torch.Tensor | None = None      # [n+1] int32 prefix tokens to gather, cumulative
+    ctx_starts: torch.Tensor | None = None  # [n] int32 first prefix token gathered
+    ctx_dst: torch.Tensor | None = None     # [n] int32 workspace row of that token
+    max_ctx: int = 0
+    chunk_dst: torch.Tensor | None = None   # [t1-t0] int64 workspace rows of the chunk's K/V
+
+
+@dataclass
+class LongPrefix:
+    """One request whose prefix does not fit the workspace: pieces merged by LSE."""
+    r: int
+    t0: int
+    t1: int
+    pieces: list[tuple[int, int]]   # (first token, count) of the prefix
+    tensors: dict = field(default_factory=dict)
+
+
+@dataclass
+class PrefillPlan:
+    rounds: list[Round]
+    long: list[LongPrefix]
+    ws_rows: int  # workspace rows this step uses (<= capacity)
+
+
+def _i32(xs, device) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)
+
+
+def plan_prefill(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, first: int,
+                 num_reqs: int, capacity: int, window: int | None,
+                 device: torch.device) -> PrefillPlan:
+    """Plan the prefill requests first:num_reqs (their query rows are contiguous).
+    capacity: workspace rows; window: sliding window (only the last window-1 prefix tokens
+    are needed)."""
+    qsl = query_start_loc_cpu.tolist()
+    sl = seq_lens_cpu.tolist()
+    reqs = []  # (row, t0, t1, prefix_start, prefix_len)
+    for r in range(first, num_reqs):
+        t0, t1 = qsl[r], qsl[r + 1]
+        ctx = sl[r] - (t1 - t0)
+        start = max(0, ctx - (window - 1)) if window else 0
+        reqs.append((r, t0, t1, start, ctx - start))
+    rounds, long, i = [], [], 0
+    while i < len(reqs):
+        r, t0, t1, start, n_ctx = reqs[i]
+        if n_ctx + (t1 - t0) > capacity:  # alone too big: pieces (no window then, see above)
+            step = capacity
+            long.append(LongPrefix(r, t0, t1, [(s, min(step, n_ctx - s))
+                                               for s in range(start, start + n_ctx, step)]))
+            i += 1
+            continue
+        j, used = i, 0
+        while j < len(reqs) and used + reqs[j][4] + (reqs[j][2] - reqs[j][1]) <= capacity:
+            used += reqs[j][4] + reqs[j][2] - reqs[j][1]
+            j += 1
+        rounds.append(_make_round(reqs[i:j], device))
+        i = j
+    for lp in long:
+        lp.tensors = _long_tensors(lp, device)
+    ws_rows = max([r.ws_tokens for r in rounds] + [n for lp in long for _, n in lp.pieces]
+                  + [1])
+    return PrefillPlan(rounds, long, ws_rows)
+
+
+def _make_round(reqs, device) -> Round:
+    cu_q, cu_k, cu_ctx, starts, dst, chunk_dst = [0], [0], [0], [], [], []
+    t_base = reqs[0][1]
+    any_ctx = any(n for *_, n in reqs)
+    for _, t0, t1, start, n_ctx in reqs:
+        q_len = t1 - t0
+        k0 = cu_k[-1]
+        cu_q.append(cu_q[-1] + q_len)
+        if any_ctx:
+            cu_k.append(k0 + n_ctx + q_len)
+            cu_ctx.append(cu_ctx[-1] + n_ctx)
+            starts.append(start)
+            dst.append(k0)
+            chunk_dst.extend(range(k0 + n_ctx, k0 + n_ctx + q_len))
+        else:
+            cu_k.append(k0 + q_len)
+    rnd = Round(reqs[0][0], reqs[-1][0] + 1, t_base, reqs[-1][2], _i32(cu_q, device),
+                _i32(cu_k, device), torch.tensor(cu_q), torch.tensor(cu_k),
+                max(b - a for a, b in zip(cu_q, cu_q[1:])),
+                max(b - a for a, b in zip(cu_k, cu_k[1:])))
+    if any_ctx:
+        rnd.ws_tokens = cu_k[-1]
+        rnd.cu_ctx, rnd.ctx_starts = _i32(cu_ctx, device), _i32(starts, device)
+        rnd.ctx_dst = _i32(dst, device)
+        rnd.max_ctx = max(b - a for a, b in zip(cu_ctx, cu_ctx[1:]))
+        rnd.chunk_dst = torch.tensor(chunk_dst, dtype=torch.int64).to(device, non_blocking=True)
+    return rnd
+
+
+def _long_tensors(lp: LongPrefix, device) -> dict:
+    q_len = lp.t1 - lp.t0
+    t = {"cu_q": _i32([0, q_len], device), "cu_q_cpu": torch.tensor([0, q_len])}
+    for s, n in lp.pieces:
+        t[(s, n)] = (_i32([0, n], device), torch.tensor([0, n]), _i32([s], device))
+    return t
+
+
+def gather_into(kv_cache, block_table, cu_ctx, ctx_starts, ctx_dst, ws_k, ws_v, k_scale,
+                v_scale, max_ctx, head_size) -> None:
+    """Dequantize prefixes into workspace rows: the Triton kernel on CUDA, the reference on
+    the CPU."""
+    if kv_cache.is_cuda:
+        gather_cache(kv_cache, block_table, cu_ctx, ctx_starts, ws_k, ws_v, k_scale, v_scale,
+                     max_ctx, out_starts=ctx_dst)
+        return
+    k, v = reference.gather_cache(kv_cache, block_table, cu_ctx, ctx_starts, head_size,
+                                  k_scale, v_scale)
+    counts = (cu_ctx[1:] - cu_ctx[:-1]).long()
+    rows = torch.repeat_interleave(ctx_dst.long(), counts) + (
+        torch.arange(int(counts.sum())) - torch.repeat_interleave(cu_ctx[:-1].long(), counts))
+    ws_k.index_copy_(0, rows, k.to(ws_k.dtype))
+    ws_v.index_copy_(0, rows, v.to(ws_v.dtype))
+
+
+def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws_k, ws_v,
+                k_scale, v_scale, scale, window, softcap, sinks, fa_version) -> None:
+    """Attention of the prefill query rows (per-layer; only launches)."""
+    d = q.shape[-1]
+    for rnd in plan.rounds:
+        qs, os = q[rnd.t0:rnd.t1], out[rnd.t0:rnd.t1]
+        if rnd.ws_tokens == 0:  # path 1: the step's own K/V
+            k, v = key[rnd.t0:rnd.t1], value[rnd.t0:rnd.t1]
+        else:                   # path 2: cached prefixes + chunk in the workspace
+            gather_into(kv_cache, block_table[rnd.r0:rnd.r1], rnd.cu_ctx, rnd.ctx_starts,
+                        rnd.ctx_dst, ws_k, ws_v, k_scale, v_scale, rnd.max_ctx, d)
+            ws_k.index_copy_(0, rnd.chunk_dst, key[rnd.t0:rnd.t1].to(ws_k.dtype))
+            ws_v.index_copy_(0, rnd.chunk_dst, value[rnd.t0:rnd.t1].to(ws_v.dtype))
+            k, v = ws_k[:rnd.ws_tokens], ws_v[:rnd.ws_tokens]
+        dense_attention(qs, k, v, os, rnd.cu_q, rnd.cu_k, rnd.max_q, rnd.max_k, scale, True,
+                        window, softcap, sinks, fa_version, rnd.cu_q_cpu, rnd.cu_k_cpu)
+    for lp in plan.long:
+        _run_long(lp, q, key, value, out, kv_cache, block_table, ws_k, ws_v, k_scale, v_scale,
+                  scale, softcap, sinks, fa_version)
+
+
+def _run_long(lp, q, key, value, out, kv_cache, block_table, ws_k, ws_v, k_scale, v_scale,
+              scale, softcap, sinks, fa_version) -> None:
+    """Prefix pieces (all keys precede all queries: no mask) and the chunk itself (causal,
+    with the sinks), merged by LSE."""
+    qs, q_len, d = q[lp.t0:lp.t1], lp.t1 - lp.t0, q.shape[-1]
+    t = lp.tensors
+    acc = torch.empty_like(qs)
+    lse = dense_attention(qs, key[lp.t0:lp.t1], value[lp.t0:lp.t1], acc, t["cu_q"], t["cu_q"],
+                          q_len, q_len, scale, True, None, softcap, sinks, fa_version,
+                          t["cu_q_cpu"], t["cu_q_cpu"], return_lse=True)
+    acc = acc.float()
+    part = torch.empty_like(qs)
+    for s, n in lp.pieces:
+        cu_k, cu_k_cpu, start = t[(s, n)]
+        gather_into(kv_cache, block_table[lp.r:lp.r + 1], cu_k, start, cu_k[:1], ws_k, ws_v,
+                    k_scale, v_scale, n, d)
+        plse = dense_attention(qs, ws_k[:n], ws_v[:n], part, t["cu_q"], cu_k, q_len, n, scale,
+                               False, None, softcap, None, fa_version, t["cu_q_cpu"], cu_k_cpu,
+                               return_lse=True)
+        acc, lse = merge_lse(acc, lse, part, plse)
+    out[lp.t0:lp.t1] = acc.to(out.dtype)

@@ -1,0 +1,27 @@
+"""The layer's FP32 global scales (format.py's ``g``): the seam for calibration.
+
+Today the scales are vLLM's own ``layer._k_scale`` / ``layer._v_scale``: loaded from ModelOpt
+NVFP4/FP8 checkpoints (k_scale / v_scale), 1.0 otherwise. A calibration step replaces this
+function's source, and must fix the scales before the first KV write of a layer, since pages
+already written keep the scale they were written with.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def global_scales(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_scale, v_scale) fp32 tensors of one element on the layer's device (no host sync)."""
+    return layer._k_scale.reshape(1), layer._v_scale.reshape(1)
+
+
+def check_scales(layer_name: str, k_scale: float, v_scale: float) -> None:
+    """Refuse scales that would silently corrupt the cache (zero, negative, NaN, Inf)."""
+    for side, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (math.isfinite(s) and s > 0):
+            raise ValueError(
+                f"NVFP4 KV cache: layer {layer_name} has {side}={s}; a global KV scale must be "
+                "a finite positive number. Fix the checkpoint's scales, or drop them so that "
+                "1.0 is used.")
