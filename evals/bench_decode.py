@@ -65,6 +65,7 @@ class Problem:
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
         self.q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=device)
         self.scale = d ** -0.5
+        self.one = torch.ones(1, dtype=torch.float32, device=device)  # k/v global scales
 
     def nvfp4_cache(self):
         cache = torch.empty(kv_cache_shape(self.num_blocks, self.page, self.hkv, self.d),
@@ -86,7 +87,7 @@ class Problem:
 
 def run_nvfp4(p: Problem, cache, out, **kw):
     return lambda: decode_attention(p.q, cache, p.block_table, p.seq_lens, out, p.scale,
-                                    1.0, 1.0, max_seq_len=p.ctx, **kw)
+                                    p.one, p.one, max_seq_len=p.ctx, **kw)
 
 
 def fa3_fn(p: Problem, k, v, fp8: bool):

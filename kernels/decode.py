@@ -142,14 +142,16 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      seq_lens: torch.Tensor, out: torch.Tensor, sm_scale: float, k_scale,
                      v_scale, sliding_window: int | None = None, softcap: float = 0.0,
                      sinks: torch.Tensor | None = None, num_splits: int | None = None,
-                     max_seq_len: int | None = None, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     max_seq_len: int | None = None, block_n: int | None = None,
+                     num_warps: int = 4, num_stages: int = 2,
+                     use_asm: bool | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
     out [B, Hq, D] and returns it. sliding_window: keys in (pos - window, pos]. sinks: [Hq]
     fp32 sink logits. k_scale / v_scale: 1-element fp32 tensors or floats (global scales).
-    num_splits: split-KV count (default from choose_num_splits with max_seq_len)."""
+    num_splits: split-KV count (default from choose_num_splits with max_seq_len).
+    use_asm: the inline-PTX nibble decoder (default on CUDA; False: the portable formula)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -162,6 +164,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if num_splits is None:
         max_seq_len = max_seq_len or block_table.shape[1] * n
         num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev)
+    if block_n is None:  # short splits: smaller tiles (measured on H200, evals/bench_decode --tune)
+        block_n = 64 if num_splits >= 16 else 128
     qpk = hq // hkv
     k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
     v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)
@@ -177,7 +181,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         kv_cache.stride(0), float(sm_scale), float(softcap), int(sliding_window or 0),
         H=hkv, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=n, D=d,
         G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda", HAS_SOFTCAP=softcap > 0,
+        NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm, HAS_SOFTCAP=softcap > 0,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:

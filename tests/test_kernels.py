@@ -161,6 +161,45 @@ def test_codec_device_functions(device):
     assert torch.equal(hi, R.e2m1_decode(byte.cpu() >> 4))
 
 
+@triton.jit
+def _words_probe(w_ptr, scale_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr,
+                 USE_ASM: tl.constexpr):
+    off = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    w = tl.load(w_ptr + off)
+    sc = tl.load(scale_ptr + off)
+    n0, n1, n2, n3, n4, n5, n6, n7 = codec.e2m1_words_to_fp16(w, sc, USE_ASM)
+    tl.store(out_ptr + 0 * R * C + off, n0)
+    tl.store(out_ptr + 1 * R * C + off, n1)
+    tl.store(out_ptr + 2 * R * C + off, n2)
+    tl.store(out_ptr + 3 * R * C + off, n3)
+    tl.store(out_ptr + 4 * R * C + off, n4)
+    tl.store(out_ptr + 5 * R * C + off, n5)
+    tl.store(out_ptr + 6 * R * C + off, n6)
+    tl.store(out_ptr + 7 * R * C + off, n7)
+
+
+def test_codec_e2m1_words_to_fp16(device):
+    """Nibble k of each int32 word (all bit patterns, negative words too) times an fp16 scale
+    of E4M3 * 2**7 (every code, 0x7F -> 480 too): stream k = e2m1 * 2**-14 * scale, exact."""
+    r, c = 16, 16
+    gen = _gen(8)
+    w = torch.randint(-2 ** 31, 2 ** 31, (r, c), dtype=torch.int64, generator=gen)
+    w.view(-1)[:16] = torch.tensor([0, -1, 0x77777777, -0x77777778, 0x08080808, 0x12345678,
+                                    -0x12345678, 0x7FFFFFFF, -2 ** 31, 0xF, 0xF0, 0x8, 0x80,
+                                    0x80000000 - 2 ** 32, 0x0F0F0F0F, 0x70707070])
+    w = w.to(torch.int32)
+    codes = torch.randint(0, 128, (r, c), generator=gen)
+    codes.view(-1)[:128] = torch.arange(128)
+    e4 = torch.cat([E4M3_FINITE, torch.tensor([480.0])])
+    scale = (e4[codes] * 128).to(torch.float16)
+    out = torch.empty(8, r, c, dtype=torch.float16, device=device)
+    _words_probe[(1,)](w.to(device), scale.to(device), out, R=r, C=c,
+                       USE_ASM=device == "cuda", num_warps=1)
+    nib = torch.stack([((w >> (4 * k)) & 0xF).to(torch.uint8) for k in range(8)])
+    want = R.e2m1_decode(nib) * 2.0 ** -14 * scale.float()
+    assert torch.equal(out.float().cpu(), want)
+
+
 # ---------------------------------------------------------------- writer
 def _fused_qkv(t, hq, hkv, d, gen, dtype, device):
     """key/value as strided views of one fused qkv projection output [t, (hq + 2 hkv) d]."""
@@ -400,6 +439,31 @@ def test_gather_random_configs(device, seed):
     assert_rounded_from(k_out[:total], rk)
     assert_rounded_from(v_out[:total], rv)
     assert (k_out[total:] == 3.0).all() and (v_out[total:] == 3.0).all()
+
+
+def test_gather_out_starts(device):
+    """out_starts: sequence b's rows go to out_starts[b]: instead of cu_tokens[b]: (any order,
+    gaps allowed); rows in the gaps are untouched."""
+    d, n, h = 128, 16, 2
+    gen = _gen(31)
+    seq_lens, starts, counts = [40, 9, 0, 20], [5, 0, 0, 3], [35, 9, 0, 1]
+    cache, _, _, _ = cache_pair(sum(math.ceil(s / n) for s in seq_lens) + 2, n, h, d, device, gen)
+    table = fill_sequences(cache, seq_lens, n, gen, 0.5, 2.0)
+    cu = torch.tensor([0] + counts).cumsum(0).to(torch.int32).to(device)
+    ss = torch.tensor(starts, dtype=torch.int32, device=device)
+    dst = [50, 2, 0, 40]  # rows 50:85, 2:11, (none), 40:41
+    k_out = torch.full((90, h, d), 5.0, device=device)
+    v_out = torch.full((90, h, d), 5.0, device=device)
+    K.gather_cache(cache, table, cu, ss, k_out, v_out, 0.5, 2.0, max(counts),
+                   out_starts=torch.tensor(dst, dtype=torch.int32, device=device))
+    rk, rv = R.gather_cache(cache, table, cu, ss, d, 0.5, 2.0)
+    written = torch.zeros(90, dtype=torch.bool)
+    for b in range(len(seq_lens)):
+        o, c0, c1 = dst[b], int(cu[b]), int(cu[b + 1])
+        assert torch.equal(k_out[o:o + c1 - c0], rk[c0:c1])
+        assert torch.equal(v_out[o:o + c1 - c0], rv[c0:c1])
+        written[o:o + c1 - c0] = True
+    assert (k_out[~written.to(device)] == 5.0).all() and (v_out[~written.to(device)] == 5.0).all()
 
 
 def test_gather_fp8_output_with_divisor(device):
