@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                        AttentionMetadata, AttentionMetadataBuilder,
                                        AttentionType, CommonAttentionMetadata)
@@ -94,6 +94,28 @@ class NvFp4AttentionBackend(AttentionBackend):
     @classmethod
     def supports_mm_prefix(cls) -> bool:
         return False
+
+    @classmethod
+    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla,
+                               has_sink, use_sparse, use_mm_prefix, use_per_head_quant_scales,
+                               device_capability, attn_type, **kwargs) -> list[str]:
+        """vLLM's checks, with each refusal saying why and what to do instead."""
+        reasons = super().validate_configuration(
+            head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+            use_mm_prefix, use_per_head_quant_scales, device_capability, attn_type, **kwargs)
+        way_out = "; use --kv-cache-dtype fp8 (or auto) for this model/GPU"
+        explain = {
+            "head_size not supported":
+                f"NVFP4 KV needs head_size to be a multiple of 16 in [32, 512], got {head_size}",
+            "compute capability not supported":
+                f"NVFP4 KV (vllm-nvfp4kv) needs compute capability >= 8.0, got "
+                f"{device_capability}",
+            "block_size not supported":
+                f"NVFP4 KV supports block sizes {list(fmt.SUPPORTED_BLOCK_SIZES)}, got "
+                f"{block_size} (set --block-size 16)",
+            "dtype not supported": f"NVFP4 KV needs bf16/fp16 activations, got {dtype}",
+        }
+        return [explain.get(r, "NVFP4 KV: " + r) + way_out for r in reasons]
 
 
 @dataclass
@@ -187,7 +209,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         self.fa_version = None
         self._checked = False
         # the workspace size, from the config in force while the model is built
-        self.ws_capacity = workspace_capacity(get_current_vllm_config(), sliding_window)
+        cfg = get_current_vllm_config_or_none()
+        self.ws_capacity = workspace_capacity(cfg, sliding_window) if cfg else 0
 
     def process_weights_after_loading(self, act_dtype: torch.dtype):
         if self.sinks is not None:
@@ -212,8 +235,9 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("NVFP4 KV backend: fused output quantization")
         if attn_metadata is None:  # profiling run: make the workspace count in the budget
-            workspace_views(self.ws_capacity, self.num_kv_heads, self.head_size, query.dtype,
-                            query.device)
+            if self.ws_capacity:
+                workspace_views(self.ws_capacity, self.num_kv_heads, self.head_size,
+                                query.dtype, query.device)
             return output.fill_(0)
         md = attn_metadata
         n = md.num_actual_tokens

@@ -1,0 +1,126 @@
+"""The backend's attention paths on a mixed batch (decodes, a chunked-prefill extend over a
+cached prefix, an initial prefill) against the torch reference. CPU: the backend's torch path;
+CUDA: Triton kernels + FlashAttention."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_nvfp4kv.backend import NvFp4AttentionImpl, NvFp4Metadata  # noqa: E402
+from vllm_nvfp4kv.kernels import kv_cache_shape, reference  # noqa: E402
+from vllm_nvfp4kv.prefill import plan_prefill  # noqa: E402
+
+HQ, H, D, N = 4, 2, 64, 16
+# (cached context, tokens this step): two decodes, an extend, an initial prefill
+REQS = [(20, 1), (35, 1), (40, 7), (0, 9)]
+
+
+def _run(device, capacity, window=None, softcap=0.0, with_sinks=False):
+    torch.manual_seed(0)
+    nb = 40
+    cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8, device=device)
+    perm = torch.randperm(nb)
+    bt = torch.zeros(len(REQS), 4, dtype=torch.int32)
+    for i in range(len(REQS)):
+        bt[i] = perm[4 * i:4 * i + 4]
+    bt = bt.to(device)
+    k_scale, v_scale = torch.tensor(0.7, device=device), torch.tensor(1.3, device=device)
+    layer = SimpleNamespace(_k_scale=k_scale, _v_scale=v_scale, layer_name="layer0")
+    sinks = torch.randn(HQ, device=device) if with_sinks else None
+
+    def slots(b, positions):
+        return (bt[b, positions // N].long() * N + positions % N)
+
+    # the cached prefixes, written earlier
+    hist_k, hist_v = {}, {}
+    for b, (ctx, _) in enumerate(REQS):
+        if ctx:
+            hist_k[b] = torch.randn(ctx, H, D, device=device)
+            hist_v[b] = torch.randn(ctx, H, D, device=device)
+            reference.write_cache(cache, hist_k[b], hist_v[b],
+                                  slots(b, torch.arange(ctx, device=device)), k_scale, v_scale)
+    # this step
+    t = sum(n for _, n in REQS)
+    q = torch.randn(t, HQ, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(t, H, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn(t, H, D, device=device, dtype=torch.bfloat16)
+    qsl = torch.tensor([0] + [sum(n for _, n in REQS[:i + 1]) for i in range(len(REQS))])
+    seq_lens = torch.tensor([c + n for c, n in REQS], dtype=torch.int32)
+    slot_mapping = torch.cat([slots(b, torch.arange(c, c + n, device=device))
+                              for b, (c, n) in enumerate(REQS)])
+    impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, window, "nvfp4", softcap or None,
+                              sinks=sinks)
+    impl.process_weights_after_loading(torch.bfloat16)
+    impl.do_kv_cache_update(layer, k, v, cache, slot_mapping)
+    md = NvFp4Metadata(
+        num_actual_tokens=t, num_decodes=2, num_decode_tokens=2, num_prefills=2,
+        seq_lens=seq_lens.to(device), block_table=bt, slot_mapping=slot_mapping,
+        decode_num_splits=2, max_seq_len=int(seq_lens.max()),
+        prefill=plan_prefill(qsl, seq_lens, 2, len(REQS), capacity, window,
+                             torch.device(device)))
+    out = torch.full((t, HQ * D), float("nan"), device=device, dtype=torch.bfloat16)
+    impl.forward(layer, q.flatten(1), k.flatten(1), v.flatten(1), cache, md, out)
+    out = out.view(t, HQ, D).float()
+
+    # expected: decodes read the cache (their token included); prefills see the dequantized
+    # prefix followed by the chunk's exact K/V
+    scale = D ** -0.5
+    exp = torch.zeros(t, HQ, D, device=device)
+    exp[:2] = reference.paged_attention(q[:2], cache, bt[:2], torch.arange(3, device=device),
+                                        seq_lens[:2].to(device), scale, k_scale, v_scale,
+                                        window, softcap, sinks)
+    for b in (2, 3):
+        ctx, n = REQS[b]
+        q0 = int(qsl[b])
+        if ctx:
+            pk, pv = reference.gather_cache(cache, bt[b:b + 1],
+                                            torch.tensor([0, ctx], device=device),
+                                            torch.zeros(1, dtype=torch.int32, device=device),
+                                            D, k_scale, v_scale)
+        else:
+            pk = pv = torch.zeros(0, H, D, device=device)
+        kk = torch.cat([pk, k[q0:q0 + n].float()])
+        vv = torch.cat([pv, v[q0:q0 + n].float()])
+        exp[q0:q0 + n] = reference.attention(q[q0:q0 + n], kk, vv, scale,
+                                             torch.arange(ctx, ctx + n, device=device),
+                                             window, softcap, sinks)
+    return out, exp, md
+
+
+@pytest.mark.parametrize("capacity", [4096, 24], ids=["one-round", "pieces-and-rounds"])
+def test_mixed_batch_matches_reference(device, capacity):
+    out, exp, md = _run(device, capacity)
+    if capacity == 24:  # the extend's prefix (40) does not fit: attended in pieces
+        assert md.prefill.long and md.prefill.long[0].pieces == [(0, 24), (24, 16)]
+    else:
+        assert len(md.prefill.rounds) == 1 and md.prefill.rounds[0].ws_tokens == 40 + 7 + 9
+    assert not out.isnan().any()
+    # bf16 output rounding (2^-9 relative) dominates; FA/Triton fp32 accumulation on CUDA
+    torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kw", [dict(window=8), dict(softcap=3.0), dict(with_sinks=True)],
+                         ids=["window", "softcap", "sinks"])
+def test_mixed_batch_variants(device, kw):
+    out, exp, _ = _run(device, 4096, **kw)
+    torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
+
+
+def test_plan_prefill_rounds_and_window():
+    qsl = torch.tensor([0, 1, 11, 31, 36])
+    seq_lens = torch.tensor([50, 110, 20, 1005])
+    plan = plan_prefill(qsl, seq_lens, 1, 4, capacity=120, window=None,
+                        device=torch.device("cpu"))
+    # req 1: 100 prefix + 10; req 2: 0 + 20 -> over 120 together, so two rounds; req 3 alone
+    # (1000 + 5) does not fit: pieces of 120
+    assert [(r.r0, r.r1) for r in plan.rounds] == [(1, 2), (2, 3)]
+    assert plan.rounds[0].ws_tokens == 110 and plan.rounds[1].ws_tokens == 0
+    assert plan.long[0].r == 3 and sum(n for _, n in plan.long[0].pieces) == 1000
+    assert plan.rounds[0].chunk_dst.tolist() == list(range(100, 110))
+    # a sliding window bounds the prefix gathered: only window-1 tokens before the chunk
+    plan = plan_prefill(qsl, seq_lens, 3, 4, capacity=120, window=64,
+                        device=torch.device("cpu"))
+    rnd = plan.rounds[0]
+    assert rnd.ctx_starts.tolist() == [1000 - 63] and rnd.ws_tokens == 63 + 5

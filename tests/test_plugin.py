@@ -1,0 +1,111 @@
+"""Plugin registration and backend selection, with the real vLLM 0.26 code (CPU build)."""
+import importlib
+import importlib.metadata
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode  # noqa: E402
+
+from vllm_nvfp4kv import plugin  # noqa: E402
+from vllm_nvfp4kv.backend import NvFp4AttentionBackend  # noqa: E402
+
+
+def _cuda_platform_module():
+    """vllm.platforms.cuda, importable on a CPU machine once its compiled extension (not
+    needed by the selection code under test) is stubbed."""
+    try:
+        import vllm._C_stable_libtorch  # noqa: F401
+    except ImportError:
+        sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch")
+    return importlib.import_module("vllm.platforms.cuda")
+
+
+def test_entry_point_registers_custom_backend():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in eps if ep.value == "vllm_nvfp4kv.plugin:register"]
+    assert len(ours) == 1 and ours[0].name == "nvfp4kv"
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    assert AttentionBackendEnum.CUSTOM.get_path() == plugin.BACKEND_PATH
+    assert AttentionBackendEnum.CUSTOM.get_class() is NvFp4AttentionBackend
+    assert NvFp4AttentionBackend.get_name() == "CUSTOM"
+    plugin.register()  # idempotent
+    assert AttentionBackendEnum.CUSTOM.get_path() == plugin.BACKEND_PATH
+
+
+def _selector(dtype="nvfp4", head_size=128, **kw):
+    return AttentionSelectorConfig(head_size=head_size, dtype=torch.bfloat16,
+                                   kv_cache_dtype=dtype, block_size=16, **kw)
+
+
+@pytest.fixture
+def cuda_platform(monkeypatch):
+    cu = _cuda_platform_module()
+    plugin.register()
+    plugin._patch_cuda_priorities()
+
+    def with_capability(major, minor=0):
+        monkeypatch.setattr(cu.CudaPlatformBase, "get_device_capability",
+                            classmethod(lambda cls, device_id=0: DeviceCapability(major, minor)))
+        return cu.CudaPlatformBase
+    return cu, with_capability
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 9), (12, 0)])
+def test_auto_selects_custom_for_nvfp4_without_upstream_path(cuda_platform, capability):
+    _, with_capability = cuda_platform
+    platform = with_capability(*capability)
+    assert platform.get_attn_backend_cls(None, _selector(), 32) == plugin.BACKEND_PATH
+
+
+def test_other_dtypes_and_sm100_untouched(cuda_platform):
+    cu, with_capability = cuda_platform
+    for dtype in ("auto", "fp8", "int4_per_token_head"):
+        prio = cu._get_backend_priorities(False, DeviceCapability(9, 0), 32, dtype)
+        assert AttentionBackendEnum.CUSTOM not in prio
+    prio = cu._get_backend_priorities(False, DeviceCapability(10, 0), 32, "nvfp4")
+    assert AttentionBackendEnum.CUSTOM not in prio
+    # on SM100 the user can still ask for ours explicitly
+    platform = with_capability(10, 0)
+    assert platform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(), 32) \
+        == plugin.BACKEND_PATH
+
+
+def test_refusals_name_the_reason(cuda_platform):
+    _, with_capability = cuda_platform
+    platform = with_capability(9, 0)
+    with pytest.raises(ValueError, match="head_size"):
+        platform.get_attn_backend_cls(None, _selector(head_size=72), 32)
+    with pytest.raises(ValueError, match="compute capability"):
+        with_capability(7, 5).get_attn_backend_cls(AttentionBackendEnum.CUSTOM, _selector(),
+                                                   32)
+
+
+def test_cpu_platform_selects_custom_for_nvfp4_only():
+    from vllm.platforms.cpu import CpuPlatform
+    plugin.register()
+    plugin._patch_cpu_selection()
+    assert CpuPlatform.get_attn_backend_cls(None, _selector(), 32) == plugin.BACKEND_PATH
+    assert CpuPlatform.get_attn_backend_cls(None, _selector("auto"), 32) \
+        == AttentionBackendEnum.CPU_ATTN.get_path()
+
+
+@pytest.mark.parametrize("block_size,heads,head_size",
+                         [(16, 8, 128), (16, 1, 256), (64, 3, 64), (32, 2, 96)])
+def test_page_size_equals_vllm_spec(block_size, heads, head_size):
+    spec = FullAttentionSpec(block_size, num_kv_heads=heads, head_size=head_size,
+                             dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode("nvfp4"))
+    shape = NvFp4AttentionBackend.get_kv_cache_shape(7, block_size, heads, head_size, "nvfp4")
+    assert math.prod(shape[1:]) == spec.page_size_bytes
+    assert shape[0] == 7
+    if head_size == 128:
+        assert spec.page_size_bytes // (block_size * heads) == 144  # bytes per token per head
