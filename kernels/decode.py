@@ -11,6 +11,7 @@ launch can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -123,6 +124,7 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
              mask=d < D)
 
 
+@functools.lru_cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8

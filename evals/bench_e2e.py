@@ -1,0 +1,88 @@
+"""End-to-end decode throughput through vLLM's engine, BF16 vs FP8 vs NVFP4 KV, same method as
+../shared/docs/h200-baselines.md: a Llama-3-8B-shaped model (8 layers, dummy weights), N
+requests of a fixed input length; decode time = time(O output tokens) - time(1 output token).
+Also records the backend vLLM chose and the KV capacity in tokens.
+
+    python evals/bench_e2e.py --out evals/results/e2e_h200.json --inputs 8192 32768
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
+
+
+def run(kv_dtype: str, inputs: list[int], n: int, out_tokens: int, gpu_util: float) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+    t0 = time.time()
+    llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              kv_cache_dtype=kv_dtype, max_model_len=max(inputs) + out_tokens + 16,
+              gpu_memory_utilization=gpu_util, enable_prefix_caching=False, seed=0)
+    cfg = llm.llm_engine.vllm_config.cache_config
+    row = {"kv_dtype": kv_dtype, "startup_s": round(time.time() - t0, 1),
+           "kv_capacity_tokens": cfg.num_gpu_blocks * cfg.block_size, "inputs": {}}
+    g = torch.Generator().manual_seed(0)
+    for length in inputs:
+        prompts = [{"prompt_token_ids": torch.randint(3, 31000, (length,), generator=g).tolist()}
+                   for _ in range(n)]
+        times = {}
+        for m in (1, out_tokens):
+            sp = SamplingParams(max_tokens=m, min_tokens=m, temperature=0, detokenize=False,
+                                ignore_eos=True)
+            t = time.time()
+            llm.generate(prompts, sp, use_tqdm=False)
+            times[m] = time.time() - t
+        decode_s = times[out_tokens] - times[1]
+        row["inputs"][length] = {"prefill_s": round(times[1], 3), "decode_s": round(decode_s, 3),
+                                 "decode_tok_per_s": round(n * (out_tokens - 1) / decode_s, 1)}
+        print(kv_dtype, length, row["inputs"][length], flush=True)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="evals/results/e2e.json")
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8", "nvfp4"])
+    ap.add_argument("--inputs", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--output-tokens", type=int, default=257)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    args = ap.parse_args()
+    import torch
+    import vllm
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
+           "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
+           "requests": args.requests, "output_tokens": args.output_tokens, "rows": []}
+    for dt in args.dtypes:
+        try:
+            res["rows"].append(run(dt, args.inputs, args.requests, args.output_tokens,
+                                   args.gpu_memory_utilization))
+        except Exception as e:  # noqa: BLE001 - record the failure, keep the other dtypes
+            res["rows"].append({"kv_dtype": dt, "error": f"{type(e).__name__}: {e}"[:500]})
+            print(dt, "failed:", e, flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"{'kv':>6} {'capacity':>10} " + " ".join(f"{'in' + str(i):>18}" for i in args.inputs))
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"{r['kv_dtype']:>6} error: {r['error'][:100]}")
+            continue
+        cells = [f"{r['inputs'][i]['decode_tok_per_s']:>8} tok/s {r['inputs'][i]['prefill_s']:>4.1f}s"
+                 for i in args.inputs if i in r["inputs"]]
+        print(f"{r['kv_dtype']:>6} {r['kv_capacity_tokens']:>10} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
