@@ -168,6 +168,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev)
     if block_n is None:  # short splits: smaller tiles (measured on H200, evals/bench_decode --tune)
         block_n = 64 if num_splits >= 16 else 128
+    if block_n not in (32, 64, 128, 256):
+        # 16-token tiles gave wrong results on an H200 with Triton 3.6 (correct in the
+        # interpreter); refused until that is understood
+        raise ValueError(f"block_n must be 32, 64, 128 or 256, got {block_n}")
     qpk = hq // hkv
     k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
     v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)

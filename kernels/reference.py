@@ -43,7 +43,10 @@ def quantize(x: torch.Tensor, global_scale: float | torch.Tensor):
     g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
     xb = x.float().unflatten(-1, (-1, GROUP_SIZE))                        # [..., D/16, 16]
     amax = torch.nan_to_num(xb.abs(), nan=0.0).amax(-1, keepdim=True)
-    s = e4m3_encode(amax / 6.0 / g)
+    # divide by a tensor: CUDA torch turns `x / 6.0` into `x * (1 / 6.0)`, which is not the
+    # IEEE quotient the format (and the Triton writer's div_rn) is defined by
+    six = torch.tensor(6.0, dtype=torch.float32, device=x.device)
+    s = e4m3_encode(amax / six / g)
     scale = e4m3_decode(s) * g
     r = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     code = e2m1_encode(xb * r).flatten(-2)                                # [..., D]

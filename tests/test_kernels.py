@@ -47,10 +47,11 @@ def garbage(shape, gen) -> torch.Tensor:
 
 
 def cache_pair(nb, n, h, d, device, gen, layout="plain"):
-    """Two identical garbage caches [nb, 2h, n, F] (kernel's, reference's) and their backing
-    buffers. layout "pad": each cache is the view [:, :2h] of a [nb, 2h + 2, n, F] buffer, so
-    pages stay contiguous but the page stride exceeds the page size; "offset": the view
-    [2:2 + nb] of a buffer of nb + 3 pages (nonzero storage offset, pages beyond both ends)."""
+    """Two identical garbage caches [nb, 2h, n, F] and their backing buffers: the kernel's on
+    `device`, the reference's on the CPU (see ref_write). layout "pad": each cache is the view
+    [:, :2h] of a [nb, 2h + 2, n, F] buffer, so pages stay contiguous but the page stride
+    exceeds the page size; "offset": the view [2:2 + nb] of a buffer of nb + 3 pages (nonzero
+    storage offset, pages beyond both ends)."""
     shape = list(kv_cache_shape(nb, n, h, d))
     first = 0
     if layout == "pad":
@@ -60,10 +61,24 @@ def cache_pair(nb, n, h, d, device, gen, layout="plain"):
         first = 2
     else:
         assert layout == "plain"
-    buf = garbage(shape, gen).to(device)
-    buf_ref = buf.clone()
+    buf_ref = garbage(shape, gen)
+    buf = buf_ref.clone().to(device)
     view = (slice(first, first + nb), slice(0, 2 * h))
     return buf[view], buf_ref[view], buf, buf_ref
+
+
+def ref_write(cache_ref, key, value, slots, k_scale, v_scale):
+    """reference.write_cache on the CPU, the oracle of the writer tests: the format is defined
+    by IEEE fp32 arithmetic, which torch's CPU ops follow, while on CUDA torch computes
+    `x / 6.0` as `x * (1 / 6.0)` (see test_reference_quantize_is_device_independent)."""
+    cpu = [t.cpu() if torch.is_tensor(t) else t for t in (key, value, slots, k_scale, v_scale)]
+    R.write_cache(cache_ref, *cpu)
+
+
+def assert_same_bytes(buf, buf_ref):
+    buf = buf.cpu()
+    diff = (buf != buf_ref).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} bytes differ, first at {diff[:4].tolist()}"
 
 
 def rand_kv(t, h, d, gen, dtype=torch.float32, device="cpu", spread=6):
@@ -87,18 +102,20 @@ def fill_sequences(cache, seq_lens, n, gen, k_scale, v_scale, extra_cols=2, spre
     spare = perm[sum(need):]
     assert len(spare) > 0
     wide = spare[0].repeat(len(seq_lens), cols + 3).to(torch.int32)
-    table = wide[:, :cols]
     used = 0
-    for b, (s, k) in enumerate(zip(seq_lens, need)):
-        own = perm[used:used + k]
-        used += k
-        table[b, :k] = own
-        table[b, k:] = spare[torch.randint(0, len(spare), (cols - k,), generator=gen)]
+    for b, (s, pages) in enumerate(zip(seq_lens, need)):
+        own = perm[used:used + pages]
+        used += pages
+        wide[b, :pages] = own
+        wide[b, pages:cols] = spare[torch.randint(0, len(spare), (cols - pages,), generator=gen)]
         if s:
             slots = (own[:, None] * n + torch.arange(n)).flatten()[:s].to(cache.device)
-            k, v = (rand_kv(s, h, d, gen, device=cache.device, spread=spread) for _ in range(2))
-            R.write_cache(cache, k, v, slots, k_scale, v_scale)
-    return table.to(cache.device)
+            key, value = (rand_kv(s, h, d, gen, device=cache.device, spread=spread)
+                          for _ in range(2))
+            R.write_cache(cache, key, value, slots, k_scale, v_scale)
+    table = wide.to(cache.device)[:, :cols]
+    assert table.stride(0) == cols + 3
+    return table
 
 
 def assert_rounded_from(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -236,46 +253,45 @@ def test_write_cache_matches_reference(device, d, n, h, dtype, layout, views):
         assert key.stride(1) == (t + 3) * d
     else:
         key, value = (rand_kv(t + 3, h, d, gen, dtype, device) for _ in range(2))
-    slots = torch.randperm(nb * n, generator=gen)[:t]
+    slots = torch.randperm(nb * n - 1, generator=gen)[:t]  # distinct slots
     slots[[2, 7]] = -1
     slots[5] = nb * n - 1  # last slot of the cache
     slots = slots.to(device)
     k_scale, v_scale = 0.37, torch.tensor([2.5], device=device)
     K.write_cache(cache, key, value, slots, k_scale, v_scale)
-    R.write_cache(cache_ref, key[:t], value[:t], slots, k_scale, v_scale)
-    assert torch.equal(buf, buf_ref)
+    ref_write(cache_ref, key[:t], value[:t], slots, k_scale, v_scale)
+    assert_same_bytes(buf, buf_ref)
 
 
-def _special_rows(d, dtype):
+def _special_rows(d, dtype, gen):
     """Rows exercising every special case of format.py, representable in dtype."""
     fmax = torch.finfo(dtype).max
     tiny = torch.finfo(dtype).smallest_normal
-    rows = []
-    z = torch.zeros(d)
-    rows.append(z.clone())                                   # all zero
-    rows.append(-z)                                          # all -0.0
-    r = torch.randn(d)
-    r[::3] = math.nan
-    rows.append(r)                                           # NaN mixed in
-    rows.append(torch.full((d,), math.nan))                  # all NaN
-    r = torch.randn(d)
-    r[1], r[18] = math.inf, -math.inf
-    rows.append(r)                                           # +-Inf
-    rows.append(torch.randn(d) * fmax / 4)                   # huge: saturates at 448
-    r = torch.randn(d)
-    r[::5] = fmax
-    rows.append(r)
-    rows.append(torch.randn(d) * tiny)                       # denormal scale range -> zeros
-    rows.append(torch.randn(d) * tiny * 2 ** -5)             # (sub)normal inputs, flushed
-    rows.append(torch.randn(d) * 0.0058)                     # near the underflow boundary
     ts = [t for t, _ in E2M1_THRESHOLDS]
-    blk = torch.tensor([6.0] + ts + [-t for t in ts] + [-0.0])  # E2M1 ties (scale exactly 1)
-    rows.append(blk.repeat(d // 16))
-    r = torch.randn(d)
-    r[::2] = -r[1::2]                                        # sign symmetry within pairs
-    rows.append(r)
-    x = torch.stack(rows).to(dtype)
-    return x
+
+    def randn():
+        return torch.randn(d, generator=gen)
+
+    nan_mixed, infs, fmax_mixed, pairs = randn(), randn(), randn(), randn()
+    nan_mixed[::3] = math.nan
+    infs[1], infs[18] = math.inf, -math.inf
+    fmax_mixed[::5] = fmax
+    pairs[::2] = -pairs[1::2]  # sign symmetry within each byte
+    rows = [
+        torch.zeros(d),                      # all zero
+        -torch.zeros(d),                     # all -0.0
+        nan_mixed,                           # NaN among values
+        torch.full((d,), math.nan),          # all NaN
+        infs,                                # +-Inf saturate
+        randn() * fmax / 4,                  # huge (some overflow to Inf in the cast)
+        fmax_mixed,                          # the dtype's max among small values
+        randn() * tiny,                      # scale underflows: zeros
+        randn() * tiny * 2 ** -5,            # subnormal inputs
+        randn() * 0.0058,                    # near the underflow boundary 6 * 2**-10
+        torch.tensor([6.0] + ts + [-t for t in ts] + [-0.0]).repeat(d // 16),  # E2M1 ties
+        pairs,
+    ]
+    return torch.stack(rows).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -284,7 +300,7 @@ def test_write_cache_special_values(device, dtype):
     cache never holds an E4M3 NaN scale (0x7F / 0xFF) in any written row."""
     d, n, h = 128, 16, 1
     gen = _gen(11)
-    rows = _special_rows(d, dtype)
+    rows = _special_rows(d, dtype, gen)
     t = rows.shape[0]
     key = rows[:, None].to(device)
     value = rows.flip(0)[:, None].to(device)
@@ -292,8 +308,8 @@ def test_write_cache_special_values(device, dtype):
     slots = torch.arange(t, device=device)
     for g in (1.0, 0.03125, 3.3):
         K.write_cache(cache, key, value, slots, g, 1 / g)
-        R.write_cache(cache_ref, key, value, slots, g, 1 / g)
-        assert torch.equal(buf, buf_ref), f"global scale {g}"
+        ref_write(cache_ref, key, value, slots, g, 1 / g)
+        assert_same_bytes(buf, buf_ref)
         _, ks, _, vs = R.page_views(cache, d)
         written = torch.cat([ks[0, :, :t].flatten(), vs[0, :, :t].flatten()])
         assert not ((written & 0x7F) == 0x7F).any()
@@ -323,8 +339,25 @@ def test_write_cache_scale_codes_exhaustive(device):
         cache, cache_ref, buf, buf_ref = cache_pair(math.ceil(rows / n), n, h, d, device, gen)
         slots = torch.arange(rows, device=device)
         K.write_cache(cache, x, -x, slots, g, g)
-        R.write_cache(cache_ref, x, -x, slots, g, g)
-        assert torch.equal(buf, buf_ref)
+        ref_write(cache_ref, x, -x, slots, g, g)
+        assert_same_bytes(buf, buf_ref)
+
+
+def test_reference_quantize_is_device_independent(device):
+    """The oracle itself: reference.quantize on `device` gives the CPU's (IEEE fp32) bytes,
+    here on the E4M3 decision boundaries, where a last-bit difference in amax / 6 / g flips
+    the scale."""
+    e4 = E4M3_FINITE[1:]
+    mids = (E4M3_FINITE[:-1] + E4M3_FINITE[1:]) / 2
+    t = torch.cat([e4, mids, torch.nextafter(mids, torch.zeros(1)),
+                   torch.nextafter(mids, mids + 1)])
+    x = torch.zeros(t.numel(), 16)
+    for g in (1.0, 0.7, 1 / 3):
+        x[:, 3] = t * 6 * g
+        cpu = R.quantize(x, g)
+        dev = R.quantize(x.to(device), g)
+        assert torch.equal(dev[1].cpu(), cpu[1]), f"g={g}: {int((dev[1].cpu() != cpu[1]).sum())}"
+        assert torch.equal(dev[0].cpu(), cpu[0])
 
 
 def test_write_cache_no_valid_slots(device):
@@ -345,8 +378,8 @@ def test_write_cache_int32_slots(device):
     key, value = (rand_kv(5, h, d, gen, torch.bfloat16, device) for _ in range(2))
     slots = torch.tensor([47, -1, 0, 16, 31], dtype=torch.int32, device=device)
     K.write_cache(cache, key, value, slots, 1.0, 1.0)
-    R.write_cache(cache_ref, key, value, slots.long(), 1.0, 1.0)
-    assert torch.equal(buf, buf_ref)
+    ref_write(cache_ref, key, value, slots.long(), 1.0, 1.0)
+    assert_same_bytes(buf, buf_ref)
 
 
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -369,8 +402,8 @@ def test_write_cache_random_configs(device, seed):
     slots = slots.to(device)
     k_scale, v_scale = rng.choice((1.0, 0.01, 3.7)), rng.choice((1.0, 0.2, 96.0))
     K.write_cache(cache, key, value, slots, k_scale, v_scale)
-    R.write_cache(cache_ref, key, value, slots, k_scale, v_scale)
-    assert torch.equal(buf, buf_ref)
+    ref_write(cache_ref, key, value, slots, k_scale, v_scale)
+    assert_same_bytes(buf, buf_ref)
 
 
 # ---------------------------------------------------------------- gather
@@ -495,6 +528,8 @@ def test_gather_fp8_output_with_divisor(device):
     table = fill_sequences(cache, [30], n, gen, 1.0, 0.5)
     cu = torch.tensor([0, 30], dtype=torch.int32, device=device)
     ss = torch.zeros(1, dtype=torch.int32, device=device)
+    k_out = torch.empty(30, h, d, dtype=torch.float8_e4m3fn, device=device)
+    v_out = torch.empty_like(k_out)
     K.gather_cache(cache, table, cu, ss, k_out, v_out, 1.0, 0.5, 30, out_div=8.0)
     rk, rv = R.gather_cache(cache, table, cu, ss, d, 1.0, 0.5)
     assert (rk.abs() / 8).max() <= 448 and (rv.abs() / 8).max() <= 448
@@ -631,7 +666,7 @@ def test_decode_random_configs(device, seed):
     d, n = rng.choice(HEAD_DIMS), rng.choice((16, 32, 64))
     hkv, qpk = rng.choice((1, 2)), rng.choice((1, 2, 4, 8))
     seq_lens = [rng.choice((0, 1, rng.randint(1, 4 * n))) for _ in range(rng.randint(1, 4))]
-    splits, block_n = rng.choice((1, 2, 3, 5, 8)), rng.choice((16, 32, 64))
+    splits, block_n = rng.choice((1, 2, 3, 5, 8)), rng.choice((None, 32, 64, 128))
     window = rng.choice((None, None, rng.randint(1, 100)))
     softcap = rng.choice((0.0, 0.0, rng.uniform(2.0, 50.0)))
     k_scale, v_scale = rng.choice((1.0, 0.3, 2.7)), rng.choice((1.0, 0.6, 4.0))
@@ -651,14 +686,37 @@ def test_decode_random_configs(device, seed):
     _check_decode(out, ref, seq_lens)
 
 
+def test_decode_refuses_16_token_tiles(device):
+    """16-token tiles miscompiled on an H200 (Triton 3.6); the launcher refuses them."""
+    cache, table, q, sl = _decode_case(device, 64, 16, 1, 1, [3], seed=1)
+    with pytest.raises(ValueError, match="block_n"):
+        K.decode_attention(q, cache, table, sl, torch.empty_like(q), 0.1, 1.0, 1.0,
+                           block_n=16)
+
+
+@pytest.mark.parametrize("block_n", [32, 64, 128, None])
+def test_decode_block_n(device, block_n):
+    """Every tile size the launcher accepts (None: its own choice), one and several splits,
+    single-token and multi-page sequences."""
+    d, n, hkv, qpk = 96, 16, 2, 1
+    seq_lens = [1, 40, 0]
+    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, seed=7)
+    ref = _ref_decode(q, cache, table, sl, 0.1, 1.0, 1.0)
+    for splits in (1, 2):
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+        K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, num_splits=splits,
+                           block_n=block_n)
+        _check_decode(out, ref, seq_lens)
+
+
 def test_decode_fp16_query_small_tiles_default_splits(device):
-    """fp16 q and output, BLOCK_N 16 (one page per tile), the default split choice."""
+    """fp16 q and output, BLOCK_N 32 (two pages per tile), the default split choice."""
     d, n, hkv, qpk = 128, 16, 2, 1
     seq_lens = [47, 3]
     cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, 0.5, 2.0,
                                        q_dtype=torch.float16)
     ref = _ref_decode(q, cache, table, sl, 0.1, 0.5, 2.0)
-    for kw in ({"block_n": 16, "num_splits": 2}, {}):
+    for kw in ({"block_n": 32, "num_splits": 2}, {}):
         out = torch.empty(q.shape, dtype=torch.float16, device=device)
         K.decode_attention(q, cache, table, sl, out, 0.1, 0.5, 2.0, **kw)
         _check_decode(out, ref, seq_lens)
@@ -718,13 +776,13 @@ def test_write_then_decode_end_to_end(device):
                         + torch.arange(s, device=device) % n) for b, s in enumerate(seq_lens)])
     key, value = (rand_kv(sum(seq_lens), hkv, d, gen, torch.bfloat16, device) for _ in range(2))
     K.write_cache(cache, key, value, slots, 0.5, 0.25)
-    R.write_cache(cache_ref, key, value, slots, 0.5, 0.25)
-    assert torch.equal(buf, buf_ref)
+    ref_write(cache_ref, key, value, slots, 0.5, 0.25)
+    assert_same_bytes(buf, buf_ref)
     q = torch.randn(2, hkv * qpk, d, generator=gen).to(torch.bfloat16).to(device)
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
     K.decode_attention(q, cache, table, sl, out, d ** -0.5, 0.5, 0.25, num_splits=2)
-    _check_decode(out, _ref_decode(q, cache_ref, table, sl, d ** -0.5, 0.5, 0.25), seq_lens)
+    _check_decode(out, _ref_decode(q, cache, table, sl, d ** -0.5, 0.5, 0.25), seq_lens)
 
 
 def test_choose_num_splits():
