@@ -1,0 +1,82 @@
+"""Profile one decode launch per kernel (ours, FA3 FP8, FA3 BF16) at one shape, for Nsight
+Compute: where does the NVFP4 decode kernel lose bandwidth (issue slots, stalls, occupancy)?
+
+    ncu --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy \\
+        --section WarpStateStats --section InstructionStats --section LaunchStats \\
+        python evals/profile_decode.py --batch 8 --ctx 32768
+
+Also prints the static instruction mix of our kernel's main loop (SASS via nvdisasm): issued
+warp-instructions per KV byte, the quantity that bounds a software-dequantizing kernel.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_decode as bd  # noqa: E402
+
+
+def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -> str:
+    """Instruction counts of the longest loop in the kernel's SASS."""
+    import triton
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "nvdisasm")
+    path = "/tmp/nvfp4kv_decode.cubin"
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True).stdout
+    lines = [re.sub(r"/\*[^*]*\*/", "", x) for x in sass.splitlines()]
+    labels = {m.group(1): i for i, x in enumerate(lines)
+              if (m := re.match(r"\s*\.(L_x_\d+):", x))}
+    best = (0, 0)
+    for i, x in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", x)
+        if m and m.group(1) in labels and labels[m.group(1)] < i \
+                and i - labels[m.group(1)] > best[1] - best[0]:
+            best = (labels[m.group(1)], i)
+    ops = collections.Counter(
+        m.group(1) for x in lines[best[0]:best[1]]
+        if (m := re.match(r"\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", x.strip())))
+    n = sum(ops.values())
+    return (f"loop: {n} instructions/thread per {block_n}-token tile, "
+            f"{n * num_warps / (block_n * bytes_per_token):.3f} warp-instructions per KV byte; "
+            f"top: {ops.most_common(10)}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--skip-fa3", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    p = bd.Problem(args.batch, args.ctx, 32, 8, 128, 16, dev)
+    cache = p.nvfp4_cache()
+    out = torch.empty_like(p.q)
+    fns = [("nvfp4", bd.run_nvfp4(p, cache, out))]
+    if not args.skip_fa3:
+        for name, dt in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
+            k, v = p.dense_cache(dt)
+            fns.append((name, bd.fa3_fn(p, k, v, name == "fp8")))
+    for name, fn in fns:
+        for _ in range(4):
+            fn()
+        torch.cuda.synchronize()
+    from vllm_nvfp4kv.kernels.decode import _decode_kernel
+    kernel_cache = _decode_kernel.device_caches[torch.cuda.current_device()][0]
+    for kernel in list(kernel_cache.values())[:1]:  # the variant just launched
+        meta = kernel.metadata
+        print(f"registers/thread {kernel.n_regs}, spills {kernel.n_spills}, "
+              f"shared {meta.shared} B, warps {meta.num_warps}")
+        print(loop_mix(kernel, 128 if args.batch * 8 * 2 > 264 else 64, meta.num_warps))
+
+
+if __name__ == "__main__":
+    main()
