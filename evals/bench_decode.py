@@ -243,6 +243,20 @@ def plot(res, path):
     fig.savefig(path, dpi=110)
 
 
+def print_markdown(res):
+    print(f"{res['gpu']}, {res['date']}, torch {res['torch']}, triton {res['triton']}, "
+          f"vLLM {res.get('vllm', '-')} FA3; heads {res['heads']}, page {res['page']}; "
+          f"copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s (read + write)\n")
+    print("| batch | context | BF16 FA3 ms | FP8 FA3 ms | NVFP4 ms | NVFP4 speed-up vs FP8 "
+          "| vs BF16 | NVFP4 KV GB/s | % of copy bw |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in res["rows"]:
+        f = lambda k, fmt=".3f": format(r[k], fmt) if k in r else "-"  # noqa: E731
+        print(f"| {r['batch']} | {r['ctx'] // 1024}K | {f('bf16_ms')} | {f('fp8_ms')} | "
+              f"{f('nvfp4_ms')} | {f('speedup_vs_fp8', '.2f')}x | {f('speedup_vs_bf16', '.2f')}x "
+              f"| {r['nvfp4_GBps']:.0f} | {100 * r['nvfp4_frac_copy_bw']:.0f}% |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="evals/results/decode.json")
@@ -259,7 +273,11 @@ def main():
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting new shapes after")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
+    ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")
     args = ap.parse_args()
+    if args.table:
+        print_markdown(json.load(open(args.table)))
+        return
     if args.toy:
         args.ctx, args.batch, args.hq, args.hkv = [64, 200], [1, 2], 4, 1
     res = tune(args) if args.tune else bench(args)
