@@ -178,45 +178,6 @@ def test_codec_device_functions(device):
     assert torch.equal(hi, R.e2m1_decode(byte.cpu() >> 4))
 
 
-@triton.jit
-def _words_probe(w_ptr, scale_ptr, out_ptr, R: tl.constexpr, C: tl.constexpr,
-                 USE_ASM: tl.constexpr):
-    off = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
-    w = tl.load(w_ptr + off)
-    sc = tl.load(scale_ptr + off)
-    n0, n1, n2, n3, n4, n5, n6, n7 = codec.e2m1_words_to_fp16(w, sc, USE_ASM)
-    tl.store(out_ptr + 0 * R * C + off, n0)
-    tl.store(out_ptr + 1 * R * C + off, n1)
-    tl.store(out_ptr + 2 * R * C + off, n2)
-    tl.store(out_ptr + 3 * R * C + off, n3)
-    tl.store(out_ptr + 4 * R * C + off, n4)
-    tl.store(out_ptr + 5 * R * C + off, n5)
-    tl.store(out_ptr + 6 * R * C + off, n6)
-    tl.store(out_ptr + 7 * R * C + off, n7)
-
-
-def test_codec_e2m1_words_to_fp16(device):
-    """Nibble k of each int32 word (all bit patterns, negative words too) times an fp16 scale
-    of E4M3 * 2**7 (every code, 0x7F -> 480 too): stream k = e2m1 * 2**-14 * scale, exact."""
-    r, c = 16, 16
-    gen = _gen(8)
-    w = torch.randint(-2 ** 31, 2 ** 31, (r, c), dtype=torch.int64, generator=gen)
-    w.view(-1)[:16] = torch.tensor([0, -1, 0x77777777, -0x77777778, 0x08080808, 0x12345678,
-                                    -0x12345678, 0x7FFFFFFF, -2 ** 31, 0xF, 0xF0, 0x8, 0x80,
-                                    0x80000000 - 2 ** 32, 0x0F0F0F0F, 0x70707070])
-    w = w.to(torch.int32)
-    codes = torch.randint(0, 128, (r, c), generator=gen)
-    codes.view(-1)[:128] = torch.arange(128)
-    e4 = torch.cat([E4M3_FINITE, torch.tensor([480.0])])
-    scale = (e4[codes] * 128).to(torch.float16)
-    out = torch.empty(8, r, c, dtype=torch.float16, device=device)
-    _words_probe[(1,)](w.to(device), scale.to(device), out, R=r, C=c,
-                       USE_ASM=device == "cuda", num_warps=1)
-    nib = torch.stack([((w >> (4 * k)) & 0xF).to(torch.uint8) for k in range(8)])
-    want = R.e2m1_decode(nib) * 2.0 ** -14 * scale.float()
-    assert torch.equal(out.float().cpu(), want)
-
-
 # ---------------------------------------------------------------- writer
 def _fused_qkv(t, hq, hkv, d, gen, dtype, device):
     """key/value as strided views of one fused qkv projection output [t, (hq + 2 hkv) d]."""
