@@ -59,7 +59,11 @@ def main():
     ap.add_argument("--texts", type=int, default=24)
     ap.add_argument("--chunk", type=int, default=32, help="max_num_batched_tokens")
     ap.add_argument("--out", default="evals/results/fidelity.json")
+    ap.add_argument("--sweep", action="store_true",
+                    help="NVFP4 with each accuracy option (NVFP4KV_* variables), one process each")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep(args)
     import torch
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
@@ -97,6 +101,44 @@ def main():
         if "error" in r:
             print(f"| {r['kv_dtype']} | not run: {r['error'][:60]} | | |")
             continue
+        print(f"| {r['kv_dtype']} | {r['ppl']:.3f} | {r.get('mean_abs_dnll', 0):.4f} | "
+              f"{100 * r.get('top1_agreement', 1):.1f}% |")
+
+
+OPTIONS = {  # name -> environment of the run
+    "nvfp4": {},
+    "nvfp4 + 4over6": {"NVFP4KV_FOUR_OVER_SIX": "1"},
+    "nvfp4 + rotate K": {"NVFP4KV_ROTATE_K": "1"},
+    "nvfp4 + rotate K + 4over6": {"NVFP4KV_ROTATE_K": "1", "NVFP4KV_FOUR_OVER_SIX": "1"},
+    "nvfp4 + rotate K,V": {"NVFP4KV_ROTATE_K": "1", "NVFP4KV_ROTATE_V": "1"},
+    "nvfp4 + rotate K,V + 4over6": {"NVFP4KV_ROTATE_K": "1", "NVFP4KV_ROTATE_V": "1",
+                                    "NVFP4KV_FOUR_OVER_SIX": "1"},
+}
+
+
+def sweep(args):
+    import subprocess
+    import tempfile
+    rows, meta = [], None
+    for name, env in OPTIONS.items():
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            cmd = [sys.executable, __file__, "--texts", str(args.texts), "--chunk",
+                   str(args.chunk), "--dtypes", "auto", "nvfp4", "--out", tmp.name]
+            if args.model:
+                cmd += ["--model", args.model]
+            subprocess.run(cmd, env={**os.environ, **env}, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            res = json.load(open(tmp.name))
+        meta = meta or res
+        if not rows:
+            rows.append(res["rows"][0])
+        rows.append({**res["rows"][1], "kv_dtype": name})
+        print(json.dumps(rows[-1]), flush=True)
+    meta["rows"] = rows
+    Path(args.out).write_text(json.dumps(meta, indent=1))
+    print("| KV cache | perplexity | mean abs dNLL vs BF16 | top-1 agreement vs BF16 |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
         print(f"| {r['kv_dtype']} | {r['ppl']:.3f} | {r.get('mean_abs_dnll', 0):.4f} | "
               f"{100 * r.get('top1_agreement', 1):.1f}% |")
 

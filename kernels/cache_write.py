@@ -5,28 +5,52 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import e2m1_encode, e4m3_decode, e4m3_encode
+from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e4m3_decode,
+                    e4m3_encode)
 from .format import GROUP_SIZE, PageLayout
 
 
 @triton.jit
-def _quantize_row(x_ptr, g, col, cmask):
+def _encode_blocks(xe, xo, amax, g, TARGET: tl.constexpr):
+    """Blocks (even [G, 8], odd [G, 8] values) with amax mapped to TARGET -> (bytes, scale
+    codes, squared error per block)."""
+    s = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, TARGET), g))
+    scale = e4m3_decode(s) * g
+    r = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
+    ce = e2m1_encode(xe * r[:, None])
+    co = e2m1_encode(xo * r[:, None])
+    de = e2m1_decode_fp16(ce).to(tl.float32) * E2M1_FP16_FACTOR * scale[:, None] - _finite(xe)
+    do = e2m1_decode_fp16(co).to(tl.float32) * E2M1_FP16_FACTOR * scale[:, None] - _finite(xo)
+    err = tl.sum(de * de, axis=1) + tl.sum(do * do, axis=1)
+    return (ce | (co << 4)).to(tl.uint8), s, err
+
+
+@triton.jit
+def _finite(x):
+    return tl.where((x == x) & (tl.abs(x) < float("inf")), x, 0.0)
+
+
+@triton.jit
+def _quantize_row(x_ptr, g, col, cmask, FOUR_OVER_SIX: tl.constexpr):
     """One (side, head, token) row. col [G, 8]: offsets of the even elements of each group."""
     xe = tl.load(x_ptr + col, mask=cmask, other=0.0).to(tl.float32)
     xo = tl.load(x_ptr + col + 1, mask=cmask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.where(xe == xe, tl.abs(xe), 0.0), axis=1),
                       tl.max(tl.where(xo == xo, tl.abs(xo), 0.0), axis=1))
-    s = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, 6.0), g))
-    scale = e4m3_decode(s) * g
-    r = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
-    byte = e2m1_encode(xe * r[:, None]) | (e2m1_encode(xo * r[:, None]) << 4)
-    return byte.to(tl.uint8), s
+    byte, s, err = _encode_blocks(xe, xo, amax, g, 6.0)
+    if FOUR_OVER_SIX:  # keep amax -> 4 where its squared error is strictly smaller
+        byte4, s4, err4 = _encode_blocks(xe, xo, amax, g, 4.0)
+        use4 = err4 < err
+        byte = tl.where(use4[:, None], byte4, byte)
+        s = tl.where(use4, s4, s)
+    return byte, s
 
 
 @triton.jit
 def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                   stride_kt, stride_kh, stride_vt, stride_vh, page_stride,
-                  H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr):
+                  H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+                  FOUR_OVER_SIX: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -43,10 +67,10 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     for side in tl.static_range(2):
         if side == 0:
             byte, s = _quantize_row(key_ptr + t * stride_kt + h * stride_kh,
-                                    tl.load(k_scale_ptr), col, cmask)
+                                    tl.load(k_scale_ptr), col, cmask, FOUR_OVER_SIX)
         else:
             byte, s = _quantize_row(value_ptr + t * stride_vt + h * stride_vh,
-                                    tl.load(v_scale_ptr), col, cmask)
+                                    tl.load(v_scale_ptr), col, cmask, FOUR_OVER_SIX)
         base = page + side * SIDE_BYTES
         tl.store(base + row * (D // 2) + gi[:, None] * 8 + ii[None, :], byte, mask=cmask)
         tl.store(base + H * N * (D // 2) + row * G + gi, s, mask=gi < G)
@@ -57,10 +81,13 @@ def _as_scale(x, device) -> torch.Tensor:
 
 
 def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor, k_scale, v_scale) -> None:
+                slot_mapping: torch.Tensor, k_scale, v_scale, four_over_six: bool = False) -> None:
     """Quantize the first T rows of key/value [>=T, H, D] (bf16/fp16/fp32) into kv_cache
     [num_blocks, 2H, N, D/2 + D/16] uint8 at slot_mapping [T] (int; slots < 0 skipped).
-    k_scale / v_scale: the layer's FP32 global scales (floats or 1-element tensors)."""
+    k_scale / v_scale: the layer's FP32 global scales (floats or 1-element tensors).
+    four_over_six: per block, the scale mapping amax to 4 or to 6, whichever has the smaller
+    squared error (reference.quantize; a near-tie may resolve differently, the sums' order
+    differs)."""
     t, (h, d) = slot_mapping.shape[0], key.shape[1:]
     n = kv_cache.shape[2]
     PageLayout(n, h, d)  # validates head_dim
@@ -73,4 +100,5 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         key, value, kv_cache, slot_mapping,
         _as_scale(k_scale, key.device), _as_scale(v_scale, key.device),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
-        H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // GROUP_SIZE), num_warps=1)
+        H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // GROUP_SIZE),
+        FOUR_OVER_SIX=four_over_six, num_warps=1)

@@ -56,6 +56,13 @@ def e2m1_encode(y):
 
 
 @triton.jit
+def e2m1_decode_fp16(code):
+    """4-bit codes (int) -> fp16 holding value * 2**-14 (E2M1_FP16_FACTOR)."""
+    c = code.to(tl.uint16)
+    return (((c & 0x8) << 12) | ((c & 0x7) << 9)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def e2m1_unpack_fp16(packed, USE_ASM: tl.constexpr):
     """uint8 bytes -> (low nibbles, high nibbles) as fp16 holding value * 2**-14.
 
@@ -86,9 +93,8 @@ def e2m1_unpack_fp16(packed, USE_ASM: tl.constexpr):
             pack=4,
         )
     else:
-        b = packed.to(tl.uint16)
-        lo = (((b & 0x8) << 12) | ((b & 0x7) << 9)).to(tl.float16, bitcast=True)
-        hi = (((b & 0x80) << 8) | ((b & 0x70) << 5)).to(tl.float16, bitcast=True)
+        lo = e2m1_decode_fp16(packed & 0xF)
+        hi = e2m1_decode_fp16(packed >> 4)
     return lo, hi
 
 

@@ -8,8 +8,10 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm_nvfp4kv import backend  # noqa: E402
 from vllm_nvfp4kv.backend import NvFp4AttentionImpl, NvFp4Metadata  # noqa: E402
 from vllm_nvfp4kv.kernels import kv_cache_shape, reference  # noqa: E402
+from vllm_nvfp4kv.kernels.rotation import rotate  # noqa: E402
 from vllm_nvfp4kv.prefill import plan_prefill  # noqa: E402
 
 HQ, H, D, N = 4, 2, 64, 16
@@ -17,7 +19,10 @@ HQ, H, D, N = 4, 2, 64, 16
 REQS = [(20, 1), (35, 1), (40, 7), (0, 9)]
 
 
-def _run(device, capacity, window=None, softcap=0.0, with_sinks=False):
+def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=False):
+    """rotated: the backend's NVFP4KV_ROTATE_K/V options; the expectation then applies the
+    same rotations by hand (cached history, q, k, v, and the output back)."""
+    rot = rotate if rotated else (lambda x: x)
     torch.manual_seed(0)
     nb = 40
     cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8, device=device)
@@ -39,7 +44,7 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False):
         if ctx:
             hist_k[b] = torch.randn(ctx, H, D, device=device)
             hist_v[b] = torch.randn(ctx, H, D, device=device)
-            reference.write_cache(cache, hist_k[b], hist_v[b],
+            reference.write_cache(cache, rot(hist_k[b]), rot(hist_v[b]),
                                   slots(b, torch.arange(ctx, device=device)), k_scale, v_scale)
     # this step
     t = sum(n for _, n in REQS)
@@ -68,6 +73,7 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False):
     # prefix followed by the chunk's exact K/V
     scale = D ** -0.5
     exp = torch.zeros(t, HQ, D, device=device)
+    q, k, v = rot(q), rot(k), rot(v)
     exp[:2] = reference.paged_attention(q[:2], cache, bt[:2], torch.arange(3, device=device),
                                         seq_lens[:2].to(device), scale, k_scale, v_scale,
                                         window, softcap, sinks)
@@ -86,7 +92,7 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False):
         exp[q0:q0 + n] = reference.attention(q[q0:q0 + n], kk, vv, scale,
                                              torch.arange(ctx, ctx + n, device=device),
                                              window, softcap, sinks)
-    return out, exp, md
+    return out, rot(exp), md
 
 
 @pytest.mark.parametrize("capacity", [4096, 24], ids=["one-round", "pieces-and-rounds"])
@@ -106,6 +112,22 @@ def test_mixed_batch_matches_reference(device, capacity):
 def test_mixed_batch_variants(device, kw):
     out, exp, _ = _run(device, 4096, **kw)
     torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
+
+
+def test_mixed_batch_with_rotated_kv(device, monkeypatch):
+    monkeypatch.setattr(backend, "ROTATE_K", True)
+    monkeypatch.setattr(backend, "ROTATE_V", True)
+    out, exp, _ = _run(device, 4096, rotated=True)
+    torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
+
+
+def test_rotation_is_orthonormal_and_keeps_dot_products():
+    x, y = torch.randn(5, 128), torch.randn(5, 128)
+    torch.testing.assert_close(rotate(rotate(x)), x, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close((rotate(x) * rotate(y)).sum(-1), (x * y).sum(-1), atol=1e-4,
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="power-of-two"):
+        rotate(torch.randn(2, 96))
 
 
 def test_plan_prefill_rounds_and_window():

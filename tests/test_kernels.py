@@ -754,3 +754,34 @@ def test_choose_num_splits():
         assert s <= max(1, math.ceil(max_len / 256))
     assert K.choose_num_splits(1, 1, 10, dev) == 1
     assert K.choose_num_splits(1, 1, 10 ** 6, dev) == K.choose_num_splits(1, 1, 10 ** 7, dev)
+
+
+def test_write_cache_four_over_six(device):
+    """4-over-6 block scales: the writer matches reference.quantize(four_over_six=True) except
+    at near-ties (the two squared-error sums are accumulated in different orders), never picks
+    the worse of the two scales, and does pick amax -> 4 for a good share of blocks."""
+    d, n, h, nb = 128, 16, 2, 3
+    gen = _gen(21)
+    x = torch.randn(nb * n, h, d, generator=gen) * torch.rand(nb * n, h, 1, generator=gen) * 4
+    k, v = x.to(torch.bfloat16), (-0.5 * x).to(torch.bfloat16)
+    slots = torch.arange(nb * n)
+    cache = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8, device=device)
+    K.write_cache(cache, k.to(device), v.to(device), slots.to(device), 0.7, 1.3,
+                  four_over_six=True)
+    ref = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8)
+    R.write_cache(ref, k, v, slots, 0.7, 1.3, four_over_six=True)
+    plain = torch.zeros_like(ref)
+    R.write_cache(plain, k, v, slots, 0.7, 1.3)
+    got = cache.cpu()
+    assert (got == ref).float().mean() > 0.999
+    for side, (x_in, g) in enumerate(((k, 0.7), (v, 1.3))):
+        want = x_in.float().view(nb, n, h, d).transpose(1, 2).unflatten(-1, (-1, 16))
+
+        def block_err(c):
+            views = R.page_views(c, d)
+            deq = R.dequantize(views[2 * side], views[2 * side + 1], g)
+            return ((deq.unflatten(-1, (-1, 16)) - want) ** 2).sum(-1)
+        e_got, e_ref, e_plain = block_err(got), block_err(ref), block_err(plain)
+        assert (e_got <= e_plain * (1 + 1e-5) + 1e-12).all()
+        torch.testing.assert_close(e_got.sum(), e_ref.sum(), rtol=1e-5, atol=0)
+        assert (e_got < e_plain * (1 - 1e-6)).float().mean() > 0.1

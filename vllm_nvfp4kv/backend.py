@@ -8,6 +8,7 @@ head-major, linear scales): see ``kernels/format.py``.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,12 +22,20 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, write_cache
+from vllm_nvfp4kv.kernels.rotation import rotate
 from vllm_nvfp4kv.kernels.decode import choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.scales import check_scales, global_scales
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_views
 
 logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applies
+# Block-scale search (kernels/format.py): NVFP4KV_FOUR_OVER_SIX=1 picks amax->4 or amax->6 per
+# block by squared error. Same page format; only the writer changes.
+FOUR_OVER_SIX = os.environ.get("NVFP4KV_FOUR_OVER_SIX", "0") == "1"
+# NVFP4KV_ROTATE_K=1: Hadamard-rotate K (and Q, so q.k is unchanged) per head before caching.
+ROTATE_K = os.environ.get("NVFP4KV_ROTATE_K", "0") == "1"
+# NVFP4KV_ROTATE_V=1: also rotate V before caching, and rotate the attention output back.
+ROTATE_V = os.environ.get("NVFP4KV_ROTATE_V", "0") == "1"
 
 
 class NvFp4AttentionBackend(AttentionBackend):
@@ -223,6 +232,9 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                 "NVFP4 KV cache (vllm-nvfp4kv) does not support " + ", ".join(refuse)
                 + ". Use --kv-cache-dtype fp8 or auto for this model.")
         fmt.check_head_dim(head_size)
+        if (ROTATE_K or ROTATE_V) and head_size & (head_size - 1):
+            raise ValueError(f"NVFP4KV_ROTATE_K/V=1 need a power-of-two head_size, got "
+                             f"{head_size}; unset it for this model")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.window = sliding_window
@@ -241,14 +253,20 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         k_scale, v_scale = global_scales(layer)
+        t = slot_mapping.shape[0]
+        if ROTATE_K:
+            key = rotate(key[:t].view(-1, self.num_kv_heads, self.head_size))
+        if ROTATE_V:
+            value = rotate(value[:t].view(-1, self.num_kv_heads, self.head_size))
         if not self._checked:  # once, at the first write (a host read of the two scalars)
             check_scales(getattr(layer, "layer_name", "?"), float(k_scale), float(v_scale))
             self._checked = True
         if kv_cache.is_cuda:
-            write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale)
+            write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale, FOUR_OVER_SIX)
         else:
             t = slot_mapping.shape[0]
-            reference.write_cache(kv_cache, key[:t], value[:t], slot_mapping, k_scale, v_scale)
+            reference.write_cache(kv_cache, key[:t], value[:t], slot_mapping, k_scale, v_scale,
+                                  FOUR_OVER_SIX)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: NvFp4Metadata | None,
@@ -265,6 +283,11 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         n = md.num_actual_tokens
         q = query[:n].view(-1, self.num_heads, self.head_size)
         out = output[:n].view(-1, self.num_heads, self.head_size)
+        if ROTATE_K:  # the cache holds rotated keys; rotating q keeps q.k unchanged
+            q = rotate(q)
+            key = rotate(key[:n].view(-1, self.num_kv_heads, self.head_size))
+        if ROTATE_V:
+            value = rotate(value[:n].view(-1, self.num_kv_heads, self.head_size))
         k_scale, v_scale = global_scales(layer)
         nd = md.num_decode_tokens
         if md.num_decodes:
@@ -281,6 +304,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             run_prefill(md.prefill, q, key, value, out, kv_cache, md.block_table, ws_k, ws_v,
                         k_scale, v_scale, self.scale, self.window, self.softcap, self.sinks,
                         self.fa_version)
+        if ROTATE_V:  # attention over rotated V gives the rotated output; H is its own inverse
+            out.copy_(rotate(out))
         return output
 
     def _decode(self, q, kv_cache, md, out, k_scale, v_scale):

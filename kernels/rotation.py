@@ -1,0 +1,26 @@
+"""Optional Hadamard rotation of K and Q per head (power-of-two head_dim): q.k is unchanged,
+while the rotation spreads a key's outlier channels over all of its 16-value blocks, which
+4-bit blocks quantize better. Plain torch; applied by the backend before the writer and to
+the queries before attention."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard(d: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """Sylvester Hadamard matrix of order d, normalised."""
+    if d & (d - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head_dim, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float32)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / d ** 0.5).to(device=device, dtype=dtype)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> x @ H / sqrt(D) (orthonormal, symmetric: its own inverse), computed in
+    fp32 and returned in x's dtype."""
+    return (x.float() @ _hadamard(x.shape[-1], str(x.device), torch.float32)).to(x.dtype)
