@@ -146,3 +146,31 @@ def test_plan_prefill_rounds_and_window():
                         device=torch.device("cpu"))
     rnd = plan.rounds[0]
     assert rnd.ctx_starts.tolist() == [1000 - 63] and rnd.ws_tokens == 63 + 5
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_global_scales_are_refused(device, bad):
+    """A checkpoint k_scale/v_scale that is zero, negative or non-finite would corrupt every
+    page silently: the first write refuses it, naming the layer and the way out."""
+    impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
+    layer = SimpleNamespace(_k_scale=torch.tensor(1.0, device=device),
+                            _v_scale=torch.tensor(bad, device=device), layer_name="model.l3")
+    cache = torch.zeros(kv_cache_shape(2, N, H, D), dtype=torch.uint8, device=device)
+    kv = torch.randn(3, H, D, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="model.l3 has v_scale"):
+        impl.do_kv_cache_update(layer, kv, kv, cache, torch.arange(3, device=device))
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(alibi_slopes=[0.5] * HQ), "ALiBi"),
+    (dict(attn_type="encoder_decoder"), "encoder/cross"),
+    (dict(kv_sharing_target_layer_name="model.l0"), "KV sharing"),
+    (dict(head_size=72), "multiple of 16"),
+])
+def test_unsupported_layers_are_refused(kw, match):
+    args = dict(num_heads=HQ, head_size=D, scale=0.1, num_kv_heads=H, alibi_slopes=None,
+                sliding_window=None, kv_cache_dtype="nvfp4")
+    args.update(kw)
+    with pytest.raises((NotImplementedError, ValueError), match=match):
+        NvFp4AttentionImpl(**args)
