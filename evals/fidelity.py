@@ -105,14 +105,18 @@ def main():
               f"{100 * r.get('top1_agreement', 1):.1f}% |")
 
 
-OPTIONS = {  # name -> environment of the run
-    "nvfp4": {},
-    "nvfp4 + 4over6": {"NVFP4KV_FOUR_OVER_SIX": "1"},
-    "nvfp4 + rotate K": {"NVFP4KV_ROTATE_K": "1"},
-    "nvfp4 + rotate K + 4over6": {"NVFP4KV_ROTATE_K": "1", "NVFP4KV_FOUR_OVER_SIX": "1"},
-    "nvfp4 + rotate K,V": {"NVFP4KV_ROTATE_K": "1", "NVFP4KV_ROTATE_V": "1"},
-    "nvfp4 + rotate K,V + 4over6": {"NVFP4KV_ROTATE_K": "1", "NVFP4KV_ROTATE_V": "1",
-                                    "NVFP4KV_FOUR_OVER_SIX": "1"},
+def _opts(four_over_six: str, rotate_k: str, rotate_v: str) -> dict:
+    return {"NVFP4KV_FOUR_OVER_SIX": four_over_six, "NVFP4KV_ROTATE_K": rotate_k,
+            "NVFP4KV_ROTATE_V": rotate_v}
+
+
+OPTIONS = {  # name -> environment of the run (every option explicit: defaults may change)
+    "nvfp4": _opts("0", "0", "0"),
+    "nvfp4 + 4over6": _opts("1", "0", "0"),
+    "nvfp4 + rotate K": _opts("0", "1", "0"),
+    "nvfp4 + rotate K + 4over6 (default)": _opts("1", "1", "0"),
+    "nvfp4 + rotate K,V": _opts("0", "1", "1"),
+    "nvfp4 + rotate K,V + 4over6": _opts("1", "1", "1"),
 }
 
 

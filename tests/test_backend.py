@@ -2,6 +2,7 @@
 cached prefix, an initial prefill) against the torch reference. CPU: the backend's torch path;
 CUDA: Triton kernels + FlashAttention."""
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -55,8 +56,10 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
     seq_lens = torch.tensor([c + n for c, n in REQS], dtype=torch.int32)
     slot_mapping = torch.cat([slots(b, torch.arange(c, c + n, device=device))
                               for b, (c, n) in enumerate(REQS)])
-    impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, window, "nvfp4", softcap or None,
-                              sinks=sinks)
+    with mock.patch.object(backend, "ROTATE_K", "1" if rotated else "0"), \
+            mock.patch.object(backend, "ROTATE_V", rotated):
+        impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, window, "nvfp4", softcap or None,
+                                  sinks=sinks)
     impl.process_weights_after_loading(torch.bfloat16)
     impl.do_kv_cache_update(layer, k, v, cache, slot_mapping)
     md = NvFp4Metadata(
@@ -114,11 +117,16 @@ def test_mixed_batch_variants(device, kw):
     torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
 
 
-def test_mixed_batch_with_rotated_kv(device, monkeypatch):
-    monkeypatch.setattr(backend, "ROTATE_K", True)
-    monkeypatch.setattr(backend, "ROTATE_V", True)
+def test_mixed_batch_with_rotated_kv(device):
     out, exp, _ = _run(device, 4096, rotated=True)
     torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
+
+
+def test_rotation_defaults_follow_head_size():
+    assert NvFp4AttentionImpl(HQ, 64, 0.1, H, None, None, "nvfp4").rotate_k  # auto, 2^k
+    assert not NvFp4AttentionImpl(HQ, 80, 0.1, H, None, None, "nvfp4").rotate_k
+    with mock.patch.object(backend, "ROTATE_K", "1"), pytest.raises(ValueError, match="power"):
+        NvFp4AttentionImpl(HQ, 80, 0.1, H, None, None, "nvfp4")
 
 
 def test_rotation_is_orthonormal_and_keeps_dot_products():

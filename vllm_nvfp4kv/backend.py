@@ -29,12 +29,14 @@ from vllm_nvfp4kv.scales import check_scales, global_scales
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_views
 
 logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applies
-# Block-scale search (kernels/format.py): NVFP4KV_FOUR_OVER_SIX=1 picks amax->4 or amax->6 per
-# block by squared error. Same page format; only the writer changes.
-FOUR_OVER_SIX = os.environ.get("NVFP4KV_FOUR_OVER_SIX", "0") == "1"
-# NVFP4KV_ROTATE_K=1: Hadamard-rotate K (and Q, so q.k is unchanged) per head before caching.
-ROTATE_K = os.environ.get("NVFP4KV_ROTATE_K", "0") == "1"
-# NVFP4KV_ROTATE_V=1: also rotate V before caching, and rotate the attention output back.
+# Accuracy options (README "Accuracy options"; defaults chosen by evals/fidelity.py --sweep):
+# NVFP4KV_FOUR_OVER_SIX (default 1): per block, the scale mapping amax to 4 or 6, whichever
+#   has the smaller squared error. Same page format; only the writer changes.
+# NVFP4KV_ROTATE_K (default auto = on for power-of-two head sizes): Hadamard-rotate K, and Q
+#   with it so q.k is unchanged, before caching.
+# NVFP4KV_ROTATE_V (default 0): also rotate V, and rotate the attention output back.
+FOUR_OVER_SIX = os.environ.get("NVFP4KV_FOUR_OVER_SIX", "1") == "1"
+ROTATE_K = os.environ.get("NVFP4KV_ROTATE_K", "auto")
 ROTATE_V = os.environ.get("NVFP4KV_ROTATE_V", "0") == "1"
 
 
@@ -232,9 +234,12 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                 "NVFP4 KV cache (vllm-nvfp4kv) does not support " + ", ".join(refuse)
                 + ". Use --kv-cache-dtype fp8 or auto for this model.")
         fmt.check_head_dim(head_size)
-        if (ROTATE_K or ROTATE_V) and head_size & (head_size - 1):
+        pow2 = head_size & (head_size - 1) == 0
+        if (ROTATE_K == "1" or ROTATE_V) and not pow2:
             raise ValueError(f"NVFP4KV_ROTATE_K/V=1 need a power-of-two head_size, got "
-                             f"{head_size}; unset it for this model")
+                             f"{head_size}; unset them for this model")
+        self.rotate_k = ROTATE_K == "1" or (ROTATE_K == "auto" and pow2)
+        self.rotate_v = ROTATE_V
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.window = sliding_window
@@ -254,9 +259,9 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         k_scale, v_scale = global_scales(layer)
         t = slot_mapping.shape[0]
-        if ROTATE_K:
+        if self.rotate_k:
             key = rotate(key[:t].view(-1, self.num_kv_heads, self.head_size))
-        if ROTATE_V:
+        if self.rotate_v:
             value = rotate(value[:t].view(-1, self.num_kv_heads, self.head_size))
         if not self._checked:  # once, at the first write (a host read of the two scalars)
             check_scales(getattr(layer, "layer_name", "?"), float(k_scale), float(v_scale))
@@ -283,10 +288,10 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         n = md.num_actual_tokens
         q = query[:n].view(-1, self.num_heads, self.head_size)
         out = output[:n].view(-1, self.num_heads, self.head_size)
-        if ROTATE_K:  # the cache holds rotated keys; rotating q keeps q.k unchanged
+        if self.rotate_k:  # the cache holds rotated keys; rotating q keeps q.k unchanged
             q = rotate(q)
             key = rotate(key[:n].view(-1, self.num_kv_heads, self.head_size))
-        if ROTATE_V:
+        if self.rotate_v:
             value = rotate(value[:n].view(-1, self.num_kv_heads, self.head_size))
         k_scale, v_scale = global_scales(layer)
         nd = md.num_decode_tokens
@@ -304,7 +309,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             run_prefill(md.prefill, q, key, value, out, kv_cache, md.block_table, ws_k, ws_v,
                         k_scale, v_scale, self.scale, self.window, self.softcap, self.sinks,
                         self.fa_version)
-        if ROTATE_V:  # attention over rotated V gives the rotated output; H is its own inverse
+        if self.rotate_v:  # attention over rotated V gives the rotated output; H is its own inverse
             out.copy_(rotate(out))
         return output
 
