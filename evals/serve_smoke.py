@@ -38,6 +38,8 @@ def main():
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--deadline-s", type=float, default=600)
+    ap.add_argument("--kv-cache-dtype", default="nvfp4")
+    ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--out", default="evals/results/serve_smoke.json")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,9 +47,13 @@ def main():
     import torch
     on_gpu = torch.cuda.is_available()
     env = dict(os.environ)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-           "--kv-cache-dtype", "nvfp4", "--port", str(args.port), "--host", "127.0.0.1",
+    # the OpenAI server module `vllm serve` runs (the `vllm` CLI itself needs the dist named
+    # "vllm", which vLLM's CPU build is not)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--kv-cache-dtype", args.kv_cache_dtype, "--port", str(args.port), "--host", "127.0.0.1",
            "--max-model-len", "2048", "--block-size", "16", "--served-model-name", "m"]
+    if args.no_prefix_caching:
+        cmd += ["--no-enable-prefix-caching"]
     if on_gpu:
         cmd += ["--gpu-memory-utilization", "0.5"]
     else:
@@ -99,7 +105,9 @@ def main():
     lines = log_path.read_text().splitlines()
     res["startup_log"] = [x for x in lines if "CUSTOM" in x or "NVFP4 KV cache" in x
                           or "KV cache size" in x]
-    res["errors_in_log"] = [x for x in lines if "ERROR" in x or "Traceback" in x][:10]
+    # errors while serving (SIGTERM at the end makes the client log an EngineDeadError)
+    serving = lines[:next((i for i, x in enumerate(lines) if "[shutdown]" in x), len(lines))]
+    res["errors_in_log"] = [x for x in serving if "ERROR" in x or "Traceback" in x][:10]
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
     ok = res["identical_requests_identical_answers"] and not res["errors_in_log"]

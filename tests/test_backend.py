@@ -20,7 +20,8 @@ HQ, H, D, N = 4, 2, 64, 16
 REQS = [(20, 1), (35, 1), (40, 7), (0, 9)]
 
 
-def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=False):
+def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=False,
+         from_cache=False):
     """rotated: the backend's NVFP4KV_ROTATE_K/V options; the expectation then applies the
     same rotations by hand (cached history, q, k, v, and the output back)."""
     rot = rotate if rotated else (lambda x: x)
@@ -67,7 +68,7 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
         seq_lens=seq_lens.to(device), block_table=bt, slot_mapping=slot_mapping,
         decode_num_splits=2, max_seq_len=int(seq_lens.max()),
         prefill=plan_prefill(qsl, seq_lens, 2, len(REQS), capacity, window,
-                             torch.device(device)))
+                             torch.device(device), chunk_from_cache=from_cache))
     out = torch.full((t, HQ * D), float("nan"), device=device, dtype=torch.bfloat16)
     impl.forward(layer, q.flatten(1), k.flatten(1), v.flatten(1), cache, md, out)
     out = out.view(t, HQ, D).float()
@@ -83,16 +84,18 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
     for b in (2, 3):
         ctx, n = REQS[b]
         q0 = int(qsl[b])
-        if ctx:
+        seen = ctx + n if from_cache else ctx  # tokens read back from the cache
+        if seen:
             pk, pv = reference.gather_cache(cache, bt[b:b + 1],
-                                            torch.tensor([0, ctx], device=device),
+                                            torch.tensor([0, seen], device=device),
                                             torch.zeros(1, dtype=torch.int32, device=device),
                                             D, k_scale, v_scale)
         else:
             pk = pv = torch.zeros(0, H, D, device=device)
-        kk = torch.cat([pk, k[q0:q0 + n].float()])
-        vv = torch.cat([pv, v[q0:q0 + n].float()])
-        exp[q0:q0 + n] = reference.attention(q[q0:q0 + n], kk, vv, scale,
+        if not from_cache:  # the chunk's exact K/V follow the dequantized prefix
+            pk = torch.cat([pk, k[q0:q0 + n].float()])
+            pv = torch.cat([pv, v[q0:q0 + n].float()])
+        exp[q0:q0 + n] = reference.attention(q[q0:q0 + n], pk, pv, scale,
                                              torch.arange(ctx, ctx + n, device=device),
                                              window, softcap, sinks)
     return out, rot(exp), md
@@ -114,6 +117,13 @@ def test_mixed_batch_matches_reference(device, capacity):
                          ids=["window", "softcap", "sinks"])
 def test_mixed_batch_variants(device, kw):
     out, exp, _ = _run(device, 4096, **kw)
+    torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("capacity", [4096, 24], ids=["one-round", "pieces-and-rounds"])
+def test_mixed_batch_prefill_from_cache(device, capacity):
+    out, exp, md = _run(device, capacity, from_cache=True)
+    assert all(r.chunk_dst is None for r in md.prefill.rounds)
     torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
 
 

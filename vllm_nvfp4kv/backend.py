@@ -38,6 +38,11 @@ logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applie
 FOUR_OVER_SIX = os.environ.get("NVFP4KV_FOUR_OVER_SIX", "1") == "1"
 ROTATE_K = os.environ.get("NVFP4KV_ROTATE_K", "auto")
 ROTATE_V = os.environ.get("NVFP4KV_ROTATE_V", "0") == "1"
+# NVFP4KV_PREFILL_FROM_CACHE (default 0): prefill attends over the chunk's own K/V as read back
+#   from the cache instead of the exact values (the seed design), so that a prefix-cache hit
+#   on the same tokens later computes exactly the same thing (identical requests give
+#   identical greedy outputs with prefix caching on), at some accuracy cost.
+PREFILL_FROM_CACHE = os.environ.get("NVFP4KV_PREFILL_FROM_CACHE", "0") == "1"
 
 
 class NvFp4AttentionBackend(AttentionBackend):
@@ -175,7 +180,7 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
                 seq_lens_cpu = cam.seq_lens.cpu()
             plan = plan_prefill(cam.query_start_loc_cpu, seq_lens_cpu, num_decodes,
                                 num_decodes + num_prefills, self.capacity, self.window,
-                                self.device)
+                                self.device, PREFILL_FROM_CACHE)
         # split count from the batch shape only: valid for every replay of a captured graph
         splits = choose_num_splits(max(num_decodes, 1), self.num_kv_heads, self.max_model_len,
                                    self.device)

@@ -48,6 +48,7 @@ class LongPrefix:
     t0: int
     t1: int
     pieces: list[tuple[int, int]]   # (first token, count) of the prefix
+    chunk_from_cache: bool = False
     tensors: dict = field(default_factory=dict)
 
 
@@ -64,10 +65,12 @@ def _i32(xs, device) -> torch.Tensor:
 
 def plan_prefill(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, first: int,
                  num_reqs: int, capacity: int, window: int | None,
-                 device: torch.device) -> PrefillPlan:
+                 device: torch.device, chunk_from_cache: bool = False) -> PrefillPlan:
     """Plan the prefill requests first:num_reqs (their query rows are contiguous).
     capacity: workspace rows; window: sliding window (only the last window-1 prefix tokens
-    are needed)."""
+    are needed). chunk_from_cache: attend over the chunk's own K/V as read back from the cache
+    (dequantized) instead of its exact values, so that a later prefix-cache hit on the same
+    tokens computes exactly what this step computes."""
     qsl = query_start_loc_cpu.tolist()
     sl = seq_lens_cpu.tolist()
     reqs = []  # (row, t0, t1, prefix_start, prefix_len)
@@ -81,15 +84,16 @@ def plan_prefill(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, 
         r, t0, t1, start, n_ctx = reqs[i]
         if n_ctx + (t1 - t0) > capacity:  # alone too big: pieces (no window then, see above)
             step = capacity
-            long.append(LongPrefix(r, t0, t1, [(s, min(step, n_ctx - s))
-                                               for s in range(start, start + n_ctx, step)]))
+            long.append(LongPrefix(r, t0, t1, [(s, min(step, start + n_ctx - s))
+                                               for s in range(start, start + n_ctx, step)],
+                                   chunk_from_cache))
             i += 1
             continue
         j, used = i, 0
         while j < len(reqs) and used + reqs[j][4] + (reqs[j][2] - reqs[j][1]) <= capacity:
             used += reqs[j][4] + reqs[j][2] - reqs[j][1]
             j += 1
-        rounds.append(_make_round(reqs[i:j], device))
+        rounds.append(_make_round(reqs[i:j], device, chunk_from_cache))
         i = j
     for lp in long:
         lp.tensors = _long_tensors(lp, device)
@@ -98,20 +102,23 @@ def plan_prefill(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, 
     return PrefillPlan(rounds, long, ws_rows)
 
 
-def _make_round(reqs, device) -> Round:
+def _make_round(reqs, device, chunk_from_cache: bool) -> Round:
     cu_q, cu_k, cu_ctx, starts, dst, chunk_dst = [0], [0], [0], [], [], []
     t_base = reqs[0][1]
-    any_ctx = any(n for *_, n in reqs)
+    any_ctx = chunk_from_cache or any(n for *_, n in reqs)
     for _, t0, t1, start, n_ctx in reqs:
         q_len = t1 - t0
         k0 = cu_k[-1]
         cu_q.append(cu_q[-1] + q_len)
         if any_ctx:
             cu_k.append(k0 + n_ctx + q_len)
-            cu_ctx.append(cu_ctx[-1] + n_ctx)
             starts.append(start)
             dst.append(k0)
-            chunk_dst.extend(range(k0 + n_ctx, k0 + n_ctx + q_len))
+            if chunk_from_cache:  # the chunk is gathered with its prefix
+                cu_ctx.append(cu_ctx[-1] + n_ctx + q_len)
+            else:
+                cu_ctx.append(cu_ctx[-1] + n_ctx)
+                chunk_dst.extend(range(k0 + n_ctx, k0 + n_ctx + q_len))
         else:
             cu_k.append(k0 + q_len)
     rnd = Round(reqs[0][0], reqs[-1][0] + 1, t_base, reqs[-1][2], _i32(cu_q, device),
@@ -123,13 +130,17 @@ def _make_round(reqs, device) -> Round:
         rnd.cu_ctx, rnd.ctx_starts = _i32(cu_ctx, device), _i32(starts, device)
         rnd.ctx_dst = _i32(dst, device)
         rnd.max_ctx = max(b - a for a, b in zip(cu_ctx, cu_ctx[1:]))
-        rnd.chunk_dst = torch.tensor(chunk_dst, dtype=torch.int64).to(device, non_blocking=True)
+        if chunk_dst:
+            rnd.chunk_dst = torch.tensor(chunk_dst, dtype=torch.int64).to(device,
+                                                                          non_blocking=True)
     return rnd
 
 
 def _long_tensors(lp: LongPrefix, device) -> dict:
     q_len = lp.t1 - lp.t0
     t = {"cu_q": _i32([0, q_len], device), "cu_q_cpu": torch.tensor([0, q_len])}
+    if lp.chunk_from_cache:  # where the chunk starts in its sequence
+        t["chunk_start"] = _i32([lp.pieces[-1][0] + lp.pieces[-1][1]], device)
     for s, n in lp.pieces:
         t[(s, n)] = (_i32([0, n], device), torch.tensor([0, n]), _i32([s], device))
     return t
@@ -163,8 +174,9 @@ def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws
         else:                   # path 2: cached prefixes + chunk in the workspace
             gather_into(kv_cache, block_table[rnd.r0:rnd.r1], rnd.cu_ctx, rnd.ctx_starts,
                         rnd.ctx_dst, ws_k, ws_v, k_scale, v_scale, rnd.max_ctx, d)
-            ws_k.index_copy_(0, rnd.chunk_dst, key[rnd.t0:rnd.t1].to(ws_k.dtype))
-            ws_v.index_copy_(0, rnd.chunk_dst, value[rnd.t0:rnd.t1].to(ws_v.dtype))
+            if rnd.chunk_dst is not None:  # the chunk's exact K/V join the prefix
+                ws_k.index_copy_(0, rnd.chunk_dst, key[rnd.t0:rnd.t1].to(ws_k.dtype))
+                ws_v.index_copy_(0, rnd.chunk_dst, value[rnd.t0:rnd.t1].to(ws_v.dtype))
             k, v = ws_k[:rnd.ws_tokens], ws_v[:rnd.ws_tokens]
         dense_attention(qs, k, v, os, rnd.cu_q, rnd.cu_k, rnd.max_q, rnd.max_k, scale, True,
                         window, softcap, sinks, fa_version, rnd.cu_q_cpu, rnd.cu_k_cpu)
@@ -179,8 +191,13 @@ def _run_long(lp, q, key, value, out, kv_cache, block_table, ws_k, ws_v, k_scale
     with the sinks), merged by LSE."""
     qs, q_len, d = q[lp.t0:lp.t1], lp.t1 - lp.t0, q.shape[-1]
     t = lp.tensors
+    k, v = key[lp.t0:lp.t1], value[lp.t0:lp.t1]
+    if lp.chunk_from_cache:
+        gather_into(kv_cache, block_table[lp.r:lp.r + 1], t["cu_q"], t["chunk_start"],
+                    t["cu_q"][:1], ws_k, ws_v, k_scale, v_scale, q_len, d)
+        k, v = ws_k[:q_len].clone(), ws_v[:q_len].clone()  # the pieces reuse the workspace
     acc = torch.empty_like(qs)
-    lse = dense_attention(qs, key[lp.t0:lp.t1], value[lp.t0:lp.t1], acc, t["cu_q"], t["cu_q"],
+    lse = dense_attention(qs, k, v, acc, t["cu_q"], t["cu_q"],
                           q_len, q_len, scale, True, None, softcap, sinks, fa_version,
                           t["cu_q_cpu"], t["cu_q_cpu"], return_lse=True)
     acc = acc.float()
