@@ -262,21 +262,21 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantize this step's K/V [>= T, Hkv, D] into the cache at slot_mapping [T]."""
         k_scale, v_scale = global_scales(layer)
         t = slot_mapping.shape[0]
+        key, value = key[:t], value[:t]
         if self.rotate_k:
-            key = rotate(key[:t].view(-1, self.num_kv_heads, self.head_size))
+            key = rotate(key)
         if self.rotate_v:
-            value = rotate(value[:t].view(-1, self.num_kv_heads, self.head_size))
-        if not self._checked:  # once, at the first write (a host read of the two scalars)
+            value = rotate(value)
+        # once, at the first write outside graph capture (a host read of the two scalars)
+        if not self._checked and not (kv_cache.is_cuda
+                                      and torch.cuda.is_current_stream_capturing()):
             check_scales(getattr(layer, "layer_name", "?"), float(k_scale), float(v_scale))
             self._checked = True
-        if kv_cache.is_cuda:
-            write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale, FOUR_OVER_SIX)
-        else:
-            t = slot_mapping.shape[0]
-            reference.write_cache(kv_cache, key[:t], value[:t], slot_mapping, k_scale, v_scale,
-                                  FOUR_OVER_SIX)
+        write = write_cache if kv_cache.is_cuda else reference.write_cache
+        write(kv_cache, key, value, slot_mapping, k_scale, v_scale, FOUR_OVER_SIX)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: NvFp4Metadata | None,
@@ -295,9 +295,6 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         out = output[:n].view(-1, self.num_heads, self.head_size)
         if self.rotate_k:  # the cache holds rotated keys; rotating q keeps q.k unchanged
             q = rotate(q)
-            key = rotate(key[:n].view(-1, self.num_kv_heads, self.head_size))
-        if self.rotate_v:
-            value = rotate(value[:n].view(-1, self.num_kv_heads, self.head_size))
         k_scale, v_scale = global_scales(layer)
         nd = md.num_decode_tokens
         if md.num_decodes:
@@ -311,10 +308,14 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                                          query.dtype, query.device)
             key = key[:n].view(-1, self.num_kv_heads, self.head_size)
             value = value[:n].view(-1, self.num_kv_heads, self.head_size)
+            if self.rotate_k:  # the chunk's own K joins rotated cached keys
+                key = rotate(key)
+            if self.rotate_v:
+                value = rotate(value)
             run_prefill(md.prefill, q, key, value, out, kv_cache, md.block_table, ws_k, ws_v,
                         k_scale, v_scale, self.scale, self.window, self.softcap, self.sinks,
                         self.fa_version)
-        if self.rotate_v:  # attention over rotated V gives the rotated output; H is its own inverse
+        if self.rotate_v:  # attention over rotated V gives the output rotated: H is its inverse
             out.copy_(rotate(out))
         return output
 
