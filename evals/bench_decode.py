@@ -39,7 +39,6 @@ def copy_bandwidth(device) -> float:
     x = torch.empty(4 << 30, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=5, rep=50, return_mode="median")
-    del x, y
     return 2 * (4 << 30) / (ms * 1e-3)
 
 

@@ -79,8 +79,8 @@ def main():
         if "error" in r:
             print(f"{r['kv_dtype']:>6} error: {r['error'][:100]}")
             continue
-        cells = [f"{r['inputs'][i]['decode_tok_per_s']:>8} tok/s {r['inputs'][i]['prefill_s']:>4.1f}s"
-                 for i in args.inputs if i in r["inputs"]]
+        cells = [f"{c['decode_tok_per_s']:>8} tok/s {c['prefill_s']:>4.1f}s"
+                 for c in (r["inputs"][i] for i in args.inputs if i in r["inputs"])]
         print(f"{r['kv_dtype']:>6} {r['kv_capacity_tokens']:>10} " + " ".join(cells))
 
 

@@ -1,4 +1,5 @@
-"""Fused quantize-and-write of K and V into the paged NVFP4 cache (reference: reference.write_cache)."""
+"""Fused quantize-and-write of K and V into the paged NVFP4 cache
+(reference: reference.write_cache)."""
 from __future__ import annotations
 
 import torch

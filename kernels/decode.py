@@ -3,8 +3,9 @@ one query row per sequence).
 
 One program per (sequence, KV head, split): it holds the G query heads of its KV head, so every
 KV byte is read once. K/V pages are dequantized in registers (codec.load_page_rows: bit
-arithmetic on 4 bytes per instruction, no lookup tables or branches) into fp16 values ``e2m1 * e4m3 * 2**-7`` (exact); ``2**7 * k_scale`` is folded into the softmax
-scale and ``2**7 * v_scale`` into the output. Q is converted to fp16 (exact in range), P is
+arithmetic on 4 bytes per instruction, no lookup tables or branches) into fp16 values
+``e2m1 * e4m3 * 2**-7`` (exact); ``2**7 * k_scale`` is folded into the softmax scale and
+``2**7 * v_scale`` into the output. Q is converted to fp16 (exact in range), P is
 rounded to fp16 for the P.V product, accumulation is fp32. Split-KV over the sequence (flash-
 decoding) with an LSE reduction; the split count depends only on the batch shape, so the
 launch can be captured in a CUDA graph.
@@ -187,8 +188,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         kv_cache.stride(0), float(sm_scale), float(softcap), int(sliding_window or 0),
         H=hkv, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=n, D=d,
         G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm, HAS_SOFTCAP=softcap > 0,
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
+        NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm,
+        HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](
