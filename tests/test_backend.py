@@ -65,8 +65,7 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
     impl.do_kv_cache_update(layer, k, v, cache, slot_mapping)
     md = NvFp4Metadata(
         num_actual_tokens=t, num_decodes=2, num_decode_tokens=2, num_prefills=2,
-        seq_lens=seq_lens.to(device), block_table=bt, slot_mapping=slot_mapping,
-        decode_num_splits=2, max_seq_len=int(seq_lens.max()),
+        seq_lens=seq_lens.to(device), block_table=bt, decode_num_splits=2,
         prefill=plan_prefill(qsl, seq_lens, 2, len(REQS), capacity, window,
                              torch.device(device), chunk_from_cache=from_cache))
     out = torch.full((t, HQ * D), float("nan"), device=device, dtype=torch.bfloat16)

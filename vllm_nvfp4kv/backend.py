@@ -142,9 +142,7 @@ class NvFp4Metadata(AttentionMetadata):
     num_prefills: int
     seq_lens: torch.Tensor          # [num_reqs] int32, tokens including this step's
     block_table: torch.Tensor       # [num_reqs, max_blocks] int32
-    slot_mapping: torch.Tensor      # [num_tokens] int64
     decode_num_splits: int
-    max_seq_len: int
     prefill: PrefillPlan | None
 
 
@@ -188,8 +186,7 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,
             seq_lens=cam.seq_lens, block_table=cam.block_table_tensor,
-            slot_mapping=cam.slot_mapping, decode_num_splits=splits,
-            max_seq_len=cam.max_seq_len, prefill=plan)
+            decode_num_splits=splits, prefill=plan)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
         md = self.build(0, common_attn_metadata)
