@@ -20,10 +20,17 @@ HQ, H, D, N = 4, 2, 64, 16
 REQS = [(20, 1), (35, 1), (40, 7), (0, 9)]
 
 
+def _fp8(x, div):
+    """What an E4M3 round trip with this scale leaves of x (the FP8 workspace)."""
+    return (x.float() / div).clamp(-448, 448).to(torch.float8_e4m3fn).float() * div
+
+
 def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=False,
-         from_cache=False):
+         from_cache=False, fp8_workspace=False):
     """rotated: the backend's NVFP4KV_ROTATE_K/V options; the expectation then applies the
-    same rotations by hand (cached history, q, k, v, and the output back)."""
+    same rotations by hand (cached history, q, k, v, and the output back). fp8_workspace:
+    NVFP4KV_WORKSPACE_DTYPE=fp8, expected with the same E4M3 roundings of the workspace
+    rows and of the prefill queries (one round only)."""
     rot = rotate if rotated else (lambda x: x)
     torch.manual_seed(0)
     nb = 40
@@ -58,18 +65,20 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
     slot_mapping = torch.cat([slots(b, torch.arange(c, c + n, device=device))
                               for b, (c, n) in enumerate(REQS)])
     with mock.patch.object(backend, "ROTATE_K", "1" if rotated else "0"), \
-            mock.patch.object(backend, "ROTATE_V", rotated):
+            mock.patch.object(backend, "ROTATE_V", rotated), \
+            mock.patch.dict("os.environ",
+                            {"NVFP4KV_WORKSPACE_DTYPE": "fp8" if fp8_workspace else "auto"}):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, window, "nvfp4", softcap or None,
                                   sinks=sinks)
-    impl.process_weights_after_loading(torch.bfloat16)
-    impl.do_kv_cache_update(layer, k, v, cache, slot_mapping)
-    md = NvFp4Metadata(
-        num_actual_tokens=t, num_decodes=2, num_decode_tokens=2, num_prefills=2,
-        seq_lens=seq_lens.to(device), block_table=bt, decode_num_splits=2,
-        prefill=plan_prefill(qsl, seq_lens, 2, len(REQS), capacity, window,
-                             torch.device(device), chunk_from_cache=from_cache))
-    out = torch.full((t, HQ * D), float("nan"), device=device, dtype=torch.bfloat16)
-    impl.forward(layer, q.flatten(1), k.flatten(1), v.flatten(1), cache, md, out)
+        impl.process_weights_after_loading(torch.bfloat16)
+        impl.do_kv_cache_update(layer, k, v, cache, slot_mapping)
+        md = NvFp4Metadata(
+            num_actual_tokens=t, num_decodes=2, num_decode_tokens=2, num_prefills=2,
+            seq_lens=seq_lens.to(device), block_table=bt, decode_num_splits=2,
+            prefill=plan_prefill(qsl, seq_lens, 2, len(REQS), capacity, window,
+                                 torch.device(device), chunk_from_cache=from_cache))
+        out = torch.full((t, HQ * D), float("nan"), device=device, dtype=torch.bfloat16)
+        impl.forward(layer, q.flatten(1), k.flatten(1), v.flatten(1), cache, md, out)
     out = out.view(t, HQ, D).float()
 
     # expected: decodes read the cache (their token included); prefills see the dequantized
@@ -77,6 +86,10 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
     scale = D ** -0.5
     exp = torch.zeros(t, HQ, D, device=device)
     q, k, v = rot(q), rot(k), rot(v)
+    if fp8_workspace:
+        assert len(md.prefill.rounds) == 1
+        q0 = int(qsl[2])
+        q = torch.cat([q[:q0].float(), _fp8(q[q0:], q[q0:].float().abs().amax() / 448)])
     exp[:2] = reference.paged_attention(q[:2], cache, bt[:2], torch.arange(3, device=device),
                                         seq_lens[:2].to(device), scale, k_scale, v_scale,
                                         window, softcap, sinks)
@@ -94,6 +107,8 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
         if not from_cache:  # the chunk's exact K/V follow the dequantized prefix
             pk = torch.cat([pk, k[q0:q0 + n].float()])
             pv = torch.cat([pv, v[q0:q0 + n].float()])
+        if fp8_workspace:  # E4M3 rows scaled by 8 * g
+            pk, pv = _fp8(pk, 8 * k_scale), _fp8(pv, 8 * v_scale)
         exp[q0:q0 + n] = reference.attention(q[q0:q0 + n], pk, pv, scale,
                                              torch.arange(ctx, ctx + n, device=device),
                                              window, softcap, sinks)
@@ -124,6 +139,25 @@ def test_mixed_batch_prefill_from_cache(device, capacity):
     out, exp, md = _run(device, capacity, from_cache=True)
     assert all(r.chunk_dst is None for r in md.prefill.rounds)
     torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
+
+
+def test_mixed_batch_fp8_workspace(device):
+    out, exp, md = _run(device, 4096, fp8_workspace=True)
+    assert md.prefill.rounds[0].ws_tokens == 40 + 7 + 9
+    # FA3 FP8 also rounds P to E4M3 (2^-4 relative); the CPU path keeps P in fp32
+    tol = 6e-2 if device == "cuda" else 2e-2
+    torch.testing.assert_close(out, exp, atol=tol, rtol=tol)
+
+
+def test_fp8_workspace_long_prefix_pieces(device):
+    """Pieces merged by LSE with FP8 prefix pieces: close to the exact-workspace result
+    (loose: FP8 rounds Q, K, V to 3 mantissa bits)."""
+    exact, _, _ = _run(device, 24)
+    out, _, md = _run(device, 24, fp8_workspace=True)
+    assert md.prefill.long
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, exact, atol=0.15, rtol=0.15)
+    assert (out - exact).abs().mean() < 0.02
 
 
 def test_mixed_batch_with_rotated_kv(device):

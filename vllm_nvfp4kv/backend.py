@@ -26,7 +26,7 @@ from vllm_nvfp4kv.kernels.rotation import rotate
 from vllm_nvfp4kv.kernels.decode import choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.scales import check_scales, global_scales
-from vllm_nvfp4kv.workspace import workspace_capacity, workspace_views
+from vllm_nvfp4kv.workspace import workspace_capacity, workspace_dtype, workspace_views
 
 logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applies
 # Accuracy options (README "Accuracy options"; defaults chosen by evals/fidelity.py --sweep):
@@ -163,7 +163,8 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         self.max_model_len = vllm_config.model_config.max_model_len
         self.capacity = workspace_capacity(vllm_config, self.window)
         workspace_views(self.capacity, self.num_kv_heads, self.head_size,
-                        vllm_config.model_config.dtype, device)  # reserve before capture
+                        workspace_dtype(vllm_config.model_config.dtype),
+                        device)  # reserve before capture
         _log_capacity(vllm_config, self.head_size, self.capacity, self.num_kv_heads)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -284,7 +285,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if attn_metadata is None:  # profiling run: make the workspace count in the budget
             if self.ws_capacity:
                 workspace_views(self.ws_capacity, self.num_kv_heads, self.head_size,
-                                query.dtype, query.device)
+                                workspace_dtype(query.dtype), query.device)
             return output.fill_(0)
         md = attn_metadata
         n = md.num_actual_tokens
@@ -297,12 +298,17 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if md.num_decodes:
             self._decode(q[:nd], kv_cache, md, out[:nd], k_scale, v_scale)
         if md.num_prefills:
+            ws_dtype = workspace_dtype(query.dtype)
             if self.fa_version is None and q.is_cuda:
                 from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
                 self.fa_version = get_flash_attn_version(head_size=self.head_size,
                                                          has_sinks=self.sinks is not None)
+                if ws_dtype == torch.float8_e4m3fn and self.fa_version != 3:
+                    raise ValueError(
+                        "NVFP4KV_WORKSPACE_DTYPE=fp8 needs FlashAttention 3 (Hopper); this GPU "
+                        f"has FA{self.fa_version}: unset it (BF16 workspace)")
             ws_k, ws_v = workspace_views(md.prefill.ws_rows, self.num_kv_heads, self.head_size,
-                                         query.dtype, query.device)
+                                         ws_dtype, query.device)
             key = key[:n].view(-1, self.num_kv_heads, self.head_size)
             value = value[:n].view(-1, self.num_kv_heads, self.head_size)
             if self.rotate_k:  # the chunk's own K joins rotated cached keys

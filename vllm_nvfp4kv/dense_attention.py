@@ -12,19 +12,27 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     scale: float, causal: bool, window: int | None, softcap: float,
                     sinks: torch.Tensor | None, fa_version: int | None,
                     cu_q_cpu: torch.Tensor | None = None, cu_k_cpu: torch.Tensor | None = None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, descale: tuple | None = None):
     """Varlen attention: sequence b has queries q[cu_q[b]:cu_q[b+1]] and keys k[cu_k[b]:...];
     causal masks align the last query with the last key. Writes out [Tq, Hq, D]; returns the
-    LSE [Hq, Tq] (natural log) when return_lse."""
+    LSE [Hq, Tq] (natural log) when return_lse. descale: (q, k, v) one-element fp32 tensors
+    when q, k, v are FP8 E4M3 (true value = stored * descale; FlashAttention-3 FP8)."""
     if q.device.type == "cuda":
         from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+        fp8 = {}
+        if descale is not None:  # FA3 wants them per (sequence, KV head)
+            shape = (cu_q.shape[0] - 1, k.shape[1])
+            fp8 = {f"{n}_descale": x.reshape(1, 1).expand(shape)
+                   for n, x in zip("qkv", descale)}
         res = flash_attn_varlen_func(
             q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k,
             cu_seqlens_k=cu_k, softmax_scale=scale, causal=causal,
             window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap,
-            s_aux=sinks, fa_version=fa_version, out=out, return_softmax_lse=return_lse)
+            s_aux=sinks, fa_version=fa_version, out=out, return_softmax_lse=return_lse, **fp8)
         return res[1] if return_lse else None
     # CPU: the reference, one sequence at a time (small models in tests)
+    if descale is not None:
+        q, k, v = (x.float() * s for x, s in zip((q, k, v), descale))
     cu_q_cpu = cu_q.cpu() if cu_q_cpu is None else cu_q_cpu
     cu_k_cpu = cu_k.cpu() if cu_k_cpu is None else cu_k_cpu
     lses = []
@@ -45,6 +53,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         return torch.cat(lses).transpose(0, 1).contiguous() if lses else \
             torch.empty(q.shape[1], 0, device=q.device)
     return None
+
+
+def to_fp8(x: torch.Tensor, div: torch.Tensor) -> torch.Tensor:
+    """x / div in E4M3, saturating (a plain cast would turn values beyond 448 into NaN)."""
+    return (x.float() / div).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_nvfp4kv.dense_attention import dense_attention, merge_lse
+from vllm_nvfp4kv.dense_attention import dense_attention, merge_lse, to_fp8
 from vllm_nvfp4kv.kernels import gather_cache, reference
+from vllm_nvfp4kv.workspace import FP8_DIV
 
 
 @dataclass
@@ -149,37 +150,68 @@ def _long_tensors(lp: LongPrefix, device) -> dict:
 def gather_into(kv_cache, block_table, cu_ctx, ctx_starts, ctx_dst, ws_k, ws_v, k_scale,
                 v_scale, max_ctx, head_size) -> None:
     """Dequantize prefixes into workspace rows: the Triton kernel on CUDA, the reference on
-    the CPU."""
+    the CPU. An FP8 workspace gets (e2m1 * e4m3) / FP8_DIV: the global scales go to the
+    attention's descale (Workspace.descale)."""
+    fp8 = ws_k.dtype == torch.float8_e4m3fn
+    if fp8:
+        k_scale = v_scale = torch.ones_like(k_scale)
     if kv_cache.is_cuda:
         gather_cache(kv_cache, block_table, cu_ctx, ctx_starts, ws_k, ws_v, k_scale, v_scale,
-                     max_ctx, out_starts=ctx_dst)
+                     max_ctx, out_div=FP8_DIV if fp8 else 1.0, out_starts=ctx_dst)
         return
     k, v = reference.gather_cache(kv_cache, block_table, cu_ctx, ctx_starts, head_size,
                                   k_scale, v_scale)
+    if fp8:
+        k, v = k / FP8_DIV, v / FP8_DIV
     counts = (cu_ctx[1:] - cu_ctx[:-1]).long()
     rows = torch.repeat_interleave(ctx_dst.long(), counts) + (
         torch.arange(int(counts.sum())) - torch.repeat_interleave(cu_ctx[:-1].long(), counts))
-    ws_k.index_copy_(0, rows, k.to(ws_k.dtype))
-    ws_v.index_copy_(0, rows, v.to(ws_v.dtype))
+    _put_rows(ws_k, rows, k)
+    _put_rows(ws_v, rows, v)
+
+
+def _put_rows(ws: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """ws[rows] = x in ws's dtype (FP8 through a byte view: no CPU index_copy_ for FP8)."""
+    x = x.to(ws.dtype)
+    if ws.dtype == torch.float8_e4m3fn:
+        ws, x = ws.view(torch.uint8), x.view(torch.uint8)
+    ws.index_copy_(0, rows, x)
+
+
+def _fp8_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q in E4M3 with a per-call scale from its amax (no host sync): (q_fp8, descale)."""
+    q_div = q.abs().amax().float().clamp_min(1e-30) / 448.0
+    return to_fp8(q, q_div), q_div
 
 
 def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws_k, ws_v,
                 k_scale, v_scale, scale, window, softcap, sinks, fa_version) -> None:
     """Attention of the prefill query rows (per-layer; only launches)."""
     d = q.shape[-1]
+    fp8 = ws_k.dtype == torch.float8_e4m3fn
+    if fp8:  # what the FP8 workspace values are multiplied by (gather_into)
+        k_div, v_div = k_scale * FP8_DIV, v_scale * FP8_DIV
     for rnd in plan.rounds:
         qs, os = q[rnd.t0:rnd.t1], out[rnd.t0:rnd.t1]
+        descale = None
         if rnd.ws_tokens == 0:  # path 1: the step's own K/V
             k, v = key[rnd.t0:rnd.t1], value[rnd.t0:rnd.t1]
         else:                   # path 2: cached prefixes + chunk in the workspace
             gather_into(kv_cache, block_table[rnd.r0:rnd.r1], rnd.cu_ctx, rnd.ctx_starts,
                         rnd.ctx_dst, ws_k, ws_v, k_scale, v_scale, rnd.max_ctx, d)
             if rnd.chunk_dst is not None:  # the chunk's exact K/V join the prefix
-                ws_k.index_copy_(0, rnd.chunk_dst, key[rnd.t0:rnd.t1].to(ws_k.dtype))
-                ws_v.index_copy_(0, rnd.chunk_dst, value[rnd.t0:rnd.t1].to(ws_v.dtype))
+                kc, vc = key[rnd.t0:rnd.t1], value[rnd.t0:rnd.t1]
+                if fp8:
+                    kc, vc = to_fp8(kc, k_div), to_fp8(vc, v_div)
+                _put_rows(ws_k, rnd.chunk_dst, kc)
+                _put_rows(ws_v, rnd.chunk_dst, vc)
             k, v = ws_k[:rnd.ws_tokens], ws_v[:rnd.ws_tokens]
+            if fp8:  # FA3 FP8 takes all of Q, K, V in FP8
+                qs, q_div = _fp8_query(qs)
+                descale = (q_div, k_div, v_div)
         dense_attention(qs, k, v, os, rnd.cu_q, rnd.cu_k, rnd.max_q, rnd.max_k, scale, True,
-                        window, softcap, sinks, fa_version, rnd.cu_q_cpu, rnd.cu_k_cpu)
+                        window, softcap, sinks, fa_version, rnd.cu_q_cpu, rnd.cu_k_cpu,
+                        descale=descale)
     for lp in plan.long:
         _run_long(lp, q, key, value, out, kv_cache, block_table, ws_k, ws_v, k_scale, v_scale,
                   scale, softcap, sinks, fa_version)
@@ -196,18 +228,25 @@ def _run_long(lp, q, key, value, out, kv_cache, block_table, ws_k, ws_v, k_scale
         gather_into(kv_cache, block_table[lp.r:lp.r + 1], t["cu_q"], t["chunk_start"],
                     t["cu_q"][:1], ws_k, ws_v, k_scale, v_scale, q_len, d)
         k, v = ws_k[:q_len].clone(), ws_v[:q_len].clone()  # the pieces reuse the workspace
+        if k.dtype == torch.float8_e4m3fn:  # this call attends in the model dtype
+            k = (k.float() * (k_scale * FP8_DIV)).to(qs.dtype)
+            v = (v.float() * (v_scale * FP8_DIV)).to(qs.dtype)
     acc = torch.empty_like(qs)
     lse = dense_attention(qs, k, v, acc, t["cu_q"], t["cu_q"],
                           q_len, q_len, scale, True, None, softcap, sinks, fa_version,
                           t["cu_q_cpu"], t["cu_q_cpu"], return_lse=True)
     acc = acc.float()
     part = torch.empty_like(qs)
+    qp, descale = qs, None
+    if ws_k.dtype == torch.float8_e4m3fn:  # as in run_prefill
+        qp, q_div = _fp8_query(qs)
+        descale = (q_div, k_scale * FP8_DIV, v_scale * FP8_DIV)
     for s, n in lp.pieces:
         cu_k, cu_k_cpu, start = t[(s, n)]
         gather_into(kv_cache, block_table[lp.r:lp.r + 1], cu_k, start, cu_k[:1], ws_k, ws_v,
                     k_scale, v_scale, n, d)
-        plse = dense_attention(qs, ws_k[:n], ws_v[:n], part, t["cu_q"], cu_k, q_len, n, scale,
+        plse = dense_attention(qp, ws_k[:n], ws_v[:n], part, t["cu_q"], cu_k, q_len, n, scale,
                                False, None, softcap, None, fa_version, t["cu_q_cpu"], cu_k_cpu,
-                               return_lse=True)
+                               return_lse=True, descale=descale)
         acc, lse = merge_lse(acc, lse, part, plse)
     out[lp.t0:lp.t1] = acc.to(out.dtype)

@@ -15,6 +15,7 @@ import os
 import torch
 
 DEFAULT_PREFIX_TOKENS = 65536
+FP8_DIV = 8.0  # FP8 workspace values are (e2m1 * e4m3) / FP8_DIV; descale = FP8_DIV * g
 _fallback: dict = {}  # device -> buffer, where vLLM's manager is not initialised (CPU tests)
 
 
@@ -26,6 +27,16 @@ def workspace_capacity(vllm_config, window: int | None) -> int:
     if window:
         prefix = min(prefix, window)
     return sched.max_num_batched_tokens + prefix
+
+
+def workspace_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The workspace dtype NVFP4KV_WORKSPACE_DTYPE asks for (see the module docstring)."""
+    want = os.environ.get("NVFP4KV_WORKSPACE_DTYPE", "auto")
+    if want == "auto":
+        return model_dtype
+    if want == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"NVFP4KV_WORKSPACE_DTYPE must be 'auto' or 'fp8', got {want!r}")
 
 
 def workspace_views(rows: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
