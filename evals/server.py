@@ -1,0 +1,81 @@
+"""Start and stop `vllm serve` (the OpenAI server module) on loopback for the evals scripts.
+
+The module is run as `python -m vllm.entrypoints.openai.api_server`, what `vllm serve` runs:
+the `vllm` CLI itself needs the dist named "vllm", which vLLM's CPU build is not.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def serve_cmd(model: str, kv_cache_dtype: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--kv-cache-dtype", kv_cache_dtype, "--port", str(port), "--host", "127.0.0.1",
+            "--served-model-name", "m", *extra]
+
+
+def cpu_env() -> dict:
+    """Environment for vLLM's CPU engine (no inductor warm-up, 1 GiB of KV)."""
+    return {**os.environ, "TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+class Server:
+    """`with Server(cmd, log_path, env) as s:` starts the server, waits for /health (raising
+    if it exits or misses the deadline), and stops it on exit. s.startup_s: seconds to
+    healthy."""
+
+    def __init__(self, cmd: list[str], log_path: Path, env: dict | None = None,
+                 deadline_s: float = 600):
+        self.cmd, self.log_path, self.env, self.deadline_s = cmd, Path(log_path), env, deadline_s
+        self.port = int(cmd[cmd.index("--port") + 1])
+        self.startup_s = None
+
+    def __enter__(self) -> "Server":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env)
+        t0 = time.time()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); see "
+                                   f"{self.log_path}:\n" + self.log_tail())
+            if time.time() - t0 > self.deadline_s:
+                self.__exit__()
+                raise RuntimeError("server did not become healthy before the deadline")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(2)
+        self.startup_s = round(time.time() - t0, 1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def startup_lines(self) -> list[str]:
+        """The log lines that show the chosen backend and the KV capacity."""
+        return [x for x in self.log_path.read_text(errors="replace").splitlines()
+                if "CUSTOM" in x or "NVFP4 KV cache" in x or "KV cache size" in x
+                or "Maximum concurrency" in x]
+
+    def serving_errors(self) -> list[str]:
+        """ERROR lines and tracebacks before shutdown (SIGTERM at the end makes the client
+        log an EngineDeadError)."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        lines = lines[:next((i for i, x in enumerate(lines) if "[shutdown]" in x), len(lines))]
+        return [x for x in lines if "ERROR" in x or "Traceback" in x][:10]
