@@ -63,44 +63,45 @@ def e2m1_decode_fp16(code):
 
 
 @triton.jit
-def e2m1_unpack_fp16(packed, USE_ASM: tl.constexpr):
-    """uint8 bytes -> (low nibbles, high nibbles) as fp16 holding value * 2**-14.
-
-    USE_ASM (CUDA only): 4 bytes per 32-bit register, two PRMTs and word-wide AND/SHL/OR build
-    fp16x2 pairs directly (~5 integer instructions per byte). Otherwise the same bit formula
-    per element in plain Triton (used by the interpreter and as the readable definition)."""
-    if USE_ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t0, t1, m, s;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
-            and.b32 m, t0, 0x00070007; shl.b32 m, m, 9;
-            and.b32 s, t0, 0x00080008; shl.b32 s, s, 12; or.b32 $0, m, s;
-            and.b32 m, t1, 0x00070007; shl.b32 m, m, 9;
-            and.b32 s, t1, 0x00080008; shl.b32 s, s, 12; or.b32 $1, m, s;
-            and.b32 m, t0, 0x00700070; shl.b32 m, m, 5;
-            and.b32 s, t0, 0x00800080; shl.b32 s, s, 8; or.b32 $2, m, s;
-            and.b32 m, t1, 0x00700070; shl.b32 m, m, 5;
-            and.b32 s, t1, 0x00800080; shl.b32 s, s, 8; or.b32 $3, m, s;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r",
-            args=[packed],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        lo = e2m1_decode_fp16(packed & 0xF)
-        hi = e2m1_decode_fp16(packed >> 4)
-    return lo, hi
+def e2m1_unpack_fp16(packed):
+    """uint8 bytes -> (low nibbles, high nibbles) as fp16 holding value * 2**-14: the portable
+    per-element formula (interpreter, and the readable definition of e2m1_pairs_fp16)."""
+    return e2m1_decode_fp16(packed & 0xF), e2m1_decode_fp16(packed >> 4)
 
 
 # Decoded rows hold true values * 2**-7: e2m1 * 2**-14 times an fp16 scale of e4m3 * 2**7
 # (both exact in fp16, and so is their product: |e2m1 * e4m3| <= 2688 fits after * 2**-7).
 ROW_FACTOR = tl.constexpr(128.0)
+
+
+@triton.jit
+def e2m1_pairs_fp16(packed):
+    """CUDA only. uint8 bytes [..., 4k] -> (X, Y) fp16 holding value * 2**-14, where for each
+    aligned word of 4 bytes (8 elements n0..n7) X holds n0..n3 and Y holds n4..n7, so both
+    keep natural element pairs in one register (what the MMA operands want, no repacking).
+    Per word: one shift, one PRMT per byte putting a nibble at bits 12..15 of each half, then
+    (t >> 3) & 0x0E000E00 | t & 0x80008000 (3 instructions per fp16 pair)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 x4, t, m;
+        shl.b32 x4, $4, 4;
+        prmt.b32 t, x4, $4, 0x4000; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
+        lop3.b32 $0, m, t, 0x80008000, 0xF8;
+        prmt.b32 t, x4, $4, 0x5111; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
+        lop3.b32 $1, m, t, 0x80008000, 0xF8;
+        prmt.b32 t, x4, $4, 0x6222; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
+        lop3.b32 $2, m, t, 0x80008000, 0xF8;
+        prmt.b32 t, x4, $4, 0x7333; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
+        lop3.b32 $3, m, t, 0x80008000, 0xF8;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -121,6 +122,12 @@ def load_page_rows(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.co
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, None] + gi[None, :],
                  mask=tmask[:, None] & (gi < G)[None, :], other=0)
     s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
-    s16 = tl.reshape(tl.broadcast_to(s16[:, :, None], (R, G_PAD, 8)), (R, G_PAD * 8))
-    lo, hi = e2m1_unpack_fp16(data, USE_ASM)
-    return tl.reshape(tl.join(lo * s16, hi * s16), (R, G_PAD * 16))
+    if USE_ASM:  # registers already hold natural pairs: the permute only renames registers
+        x, y = e2m1_pairs_fp16(data)  # per word of 8 elements: x = first 4, y = last 4
+        x = tl.reshape(x, (R, G_PAD, 2, 4))
+        y = tl.reshape(y, (R, G_PAD, 2, 4))
+        vals = tl.reshape(tl.permute(tl.join(x, y), (0, 1, 2, 4, 3)), (R, G_PAD, 16))
+    else:
+        lo, hi = e2m1_unpack_fp16(data)
+        vals = tl.reshape(tl.join(lo, hi), (R, G_PAD, 16))
+    return tl.reshape(vals * s16[:, :, None], (R, G_PAD * 16))
