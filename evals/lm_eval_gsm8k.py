@@ -95,18 +95,31 @@ def evaluate(model: str, kv_dtype: str, tasks: Path, limit: int | None, extra: s
     model_args = (f"pretrained={model},kv_cache_dtype={kv_dtype},max_model_len=2048,"
                   f"block_size=16,seed=0,{extra}")
     out = lm_eval.simple_evaluate(model="vllm", model_args=model_args, tasks=["gsm8k_local"],
-                                  limit=limit, gen_kwargs=gen_kwargs,
+                                  limit=limit, gen_kwargs=gen_kwargs, log_samples=True,
                                   task_manager=TaskManager(include_path=str(tasks)))
     r = out["results"]["gsm8k_local"]
+    per_doc = {s["doc_id"]: float(s["exact_match"]) for s in out["samples"]["gsm8k_local"]
+               if s.get("filter") == "strict-match"}
     return {"kv_dtype": kv_dtype, "model_args": model_args,
             "exact_match": r["exact_match,strict-match"],
             "stderr": r["exact_match_stderr,strict-match"],
-            "n": out["n-samples"]["gsm8k_local"]["effective"]}
+            "n": out["n-samples"]["gsm8k_local"]["effective"],
+            "per_doc": [per_doc[k] for k in sorted(per_doc)]}
+
+
+def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean of a - b over the same questions and its standard error (the paired test)."""
+    n = len(a)
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / max(1, n - 1)
+    return mean, (var / n) ** 0.5
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", help="HF folder (default: SmolLM2-135M-Instruct from its package)")
+    ap.add_argument("--model", help="HF folder, or 'qwen' (Qwen2.5-Coder-1.5B-Instruct from its "
+                    "packages); default: SmolLM2-135M-Instruct from its package")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "nvfp4"])
     ap.add_argument("--limit", type=int, help="questions (default: all 1,314)")
     ap.add_argument("--tasks-dir", default=str(Path.home() / ".cache" / "vllm-nvfp4kv" /
@@ -115,13 +128,16 @@ def main():
     args = ap.parse_args()
     import torch
     on_gpu = torch.cuda.is_available()
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA may be initialised
     extra = "gpu_memory_utilization=0.8"
     if not on_gpu:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         extra = "enforce_eager=True,kv_cache_memory_bytes=268435456,max_num_seqs=8"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    model = args.model or str(__import__("assets").smollm2())
+    assets = __import__("assets")
+    model = str(assets.qwen_coder()) if args.model == "qwen" else \
+        args.model or str(assets.smollm2())
     tasks = write_task(Path(args.tasks_dir))
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
@@ -130,11 +146,19 @@ def main():
         row = evaluate(model, dt, tasks, args.limit, extra)
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
+    base = next((r for r in res["rows"] if r["kv_dtype"] == "fp8"), None)
+    for r in res["rows"]:
+        if base is not None and r is not base:
+            r["diff_vs_fp8"], r["diff_vs_fp8_stderr"] = paired_difference(r["per_doc"],
+                                                                          base["per_doc"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print("| KV dtype | GSM8K strict-match | n |\n|---|---:|---:|")
+    print("| KV dtype | GSM8K strict-match | paired diff vs FP8 | n |\n|---|---:|---:|---:|")
     for r in res["rows"]:
-        print(f"| {r['kv_dtype']} | {r['exact_match']:.3f} ± {r['stderr']:.3f} | {r['n']} |")
+        diff = (f"{r['diff_vs_fp8']:+.3f} ± {r['diff_vs_fp8_stderr']:.3f}"
+                if "diff_vs_fp8" in r else "")
+        print(f"| {r['kv_dtype']} | {r['exact_match']:.3f} ± {r['stderr']:.3f} | {diff} | "
+              f"{r['n']} |")
 
 
 if __name__ == "__main__":

@@ -24,4 +24,7 @@ def test_lm_eval_vllm_backend_with_nvfp4(tmp_path):
                                  "enforce_eager=True,kv_cache_memory_bytes=67108864",
                                  gen_kwargs="max_gen_toks=48")
     assert row["n"] == 2 and 0.0 <= row["exact_match"] <= 1.0
+    assert len(row["per_doc"]) == 2 and sum(row["per_doc"]) / 2 == row["exact_match"]
+    mean, se = lm_eval_gsm8k.paired_difference([1, 0, 1, 1], [0, 0, 1, 0])  # d = 1, 0, 0, 1
+    assert mean == 0.5 and abs(se - (1 / 12) ** 0.5) < 1e-12
     assert (tasks / "test.jsonl").read_text().count("\n") == 1319 - lm_eval_gsm8k.SHOTS
