@@ -65,7 +65,7 @@ def e2m1_decode_fp16(code):
 @triton.jit
 def e2m1_unpack_fp16(packed):
     """uint8 bytes -> (low nibbles, high nibbles) as fp16 holding value * 2**-14: the portable
-    per-element formula (interpreter, and the readable definition of e2m1_pairs_fp16)."""
+    per-element formula (interpreter, and the readable definition of e2m1_word_fp16)."""
     return e2m1_decode_fp16(packed & 0xF), e2m1_decode_fp16(packed >> 4)
 
 
@@ -75,32 +75,32 @@ ROW_FACTOR = tl.constexpr(128.0)
 
 
 @triton.jit
-def e2m1_pairs_fp16(packed):
-    """CUDA only. uint8 bytes [..., 4k] -> (X, Y) fp16 holding value * 2**-14, where for each
-    aligned word of 4 bytes (8 elements n0..n7) X holds n0..n3 and Y holds n4..n7, so both
-    keep natural element pairs in one register (what the MMA operands want, no repacking).
-    Per word: one shift, one PRMT per byte putting a nibble at bits 12..15 of each half, then
-    (t >> 3) & 0x0E000E00 | t & 0x80008000 (3 instructions per fp16 pair)."""
+def e2m1_word_fp16(word):
+    """CUDA only. int32 words of packed data (8 elements n0..n7, byte i = n(2i+1) << 4 | n(2i))
+    -> 8 fp16 tensors n0..n7 holding value * 2**-14. Per word: one shift, then per byte one
+    PRMT putting its low nibble (from word << 4) and its high nibble at bits 12..15 of the
+    two halves of a register, and (t >> 3) & 0x0E000E00 | t & 0x80008000: each register is a
+    natural element pair (what the MMA operands want, no repacking); 17 instructions."""
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 x4, t, m;
-        shl.b32 x4, $4, 4;
-        prmt.b32 t, x4, $4, 0x4000; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
-        lop3.b32 $0, m, t, 0x80008000, 0xF8;
-        prmt.b32 t, x4, $4, 0x5111; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
-        lop3.b32 $1, m, t, 0x80008000, 0xF8;
-        prmt.b32 t, x4, $4, 0x6222; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
-        lop3.b32 $2, m, t, 0x80008000, 0xF8;
-        prmt.b32 t, x4, $4, 0x7333; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
-        lop3.b32 $3, m, t, 0x80008000, 0xF8;
+        .reg .b32 x4, t, m, p;
+        shl.b32 x4, $8, 4;
+        prmt.b32 t, x4, $8, 0x4000; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
+        lop3.b32 p, m, t, 0x80008000, 0xF8; mov.b32 {$0, $1}, p;
+        prmt.b32 t, x4, $8, 0x5111; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
+        lop3.b32 p, m, t, 0x80008000, 0xF8; mov.b32 {$2, $3}, p;
+        prmt.b32 t, x4, $8, 0x6222; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
+        lop3.b32 p, m, t, 0x80008000, 0xF8; mov.b32 {$4, $5}, p;
+        prmt.b32 t, x4, $8, 0x7333; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
+        lop3.b32 p, m, t, 0x80008000, 0xF8; mov.b32 {$6, $7}, p;
         }
         """,
-        constraints="=r,=r,=r,=r,r",
-        args=[packed],
-        dtype=(tl.float16, tl.float16),
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
+        args=[word],
+        dtype=(tl.float16,) * 8,
         is_pure=True,
-        pack=4,
+        pack=1,
     )
 
 
@@ -116,18 +116,21 @@ def load_page_rows(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.co
     R: tl.constexpr = row.shape[0]
     side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
     gi = tl.arange(0, G_PAD)
-    j = tl.arange(0, G_PAD * 8)
-    data = tl.load((side + row * (D // 2))[:, None] + j[None, :],
-                   mask=tmask[:, None] & (j < D // 2)[None, :], other=0)
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, None] + gi[None, :],
                  mask=tmask[:, None] & (gi < G)[None, :], other=0)
     s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
-    if USE_ASM:  # registers already hold natural pairs: the permute only renames registers
-        x, y = e2m1_pairs_fp16(data)  # per word of 8 elements: x = first 4, y = last 4
-        x = tl.reshape(x, (R, G_PAD, 2, 4))
-        y = tl.reshape(y, (R, G_PAD, 2, 4))
-        vals = tl.reshape(tl.permute(tl.join(x, y), (0, 1, 2, 4, 3)), (R, G_PAD, 16))
+    if USE_ASM:  # 32-bit words (rows are 4-byte aligned: D/2 and the page offsets are)
+        w = tl.arange(0, G_PAD * 2)
+        words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, None]
+                        + w[None, :], mask=tmask[:, None] & (w < D // 8)[None, :], other=0)
+        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
+        vals = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                       tl.join(tl.join(n1, n5), tl.join(n3, n7)))  # [R, W, p, q, r]: 4p+2q+r
     else:
+        j = tl.arange(0, G_PAD * 8)
+        data = tl.load((side + row * (D // 2))[:, None] + j[None, :],
+                       mask=tmask[:, None] & (j < D // 2)[None, :], other=0)
         lo, hi = e2m1_unpack_fp16(data)
-        vals = tl.reshape(tl.join(lo, hi), (R, G_PAD, 16))
+        vals = tl.join(lo, hi)
+    vals = tl.reshape(vals, (R, G_PAD, 16))
     return tl.reshape(vals * s16[:, :, None], (R, G_PAD * 16))

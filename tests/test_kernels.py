@@ -132,8 +132,8 @@ def assert_rounded_from(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------- codec device functions
 @triton.jit
-def _codec_probe(x_ptr, byte_ptr, e4m3_ptr, e2m1_ptr, e4m3_dec_ptr, lo_ptr, hi_ptr, px_ptr,
-                 py_ptr, n, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
+def _codec_probe(x_ptr, byte_ptr, e4m3_ptr, e2m1_ptr, e4m3_dec_ptr, lo_ptr, hi_ptr, words_ptr,
+                 n, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
     i = tl.arange(0, BLOCK)
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
@@ -145,11 +145,11 @@ def _codec_probe(x_ptr, byte_ptr, e4m3_ptr, e2m1_ptr, e4m3_dec_ptr, lo_ptr, hi_p
     lo, hi = codec.e2m1_unpack_fp16(b)
     tl.store(lo_ptr + j, lo.to(tl.float32) * codec.E2M1_FP16_FACTOR)
     tl.store(hi_ptr + j, hi.to(tl.float32) * codec.E2M1_FP16_FACTOR)
-    if USE_ASM:  # the inline-PTX decoder, on rows of 64 bytes as load_page_rows uses it
-        r = tl.arange(0, 4)[:, None] * 64 + tl.arange(0, 64)[None, :]
-        px, py = codec.e2m1_pairs_fp16(tl.load(byte_ptr + r))
-        tl.store(px_ptr + r, px.to(tl.float32) * codec.E2M1_FP16_FACTOR)
-        tl.store(py_ptr + r, py.to(tl.float32) * codec.E2M1_FP16_FACTOR)
+    if USE_ASM:  # the inline-PTX decoder: 64 words = the 256 bytes, 8 elements each
+        w = tl.arange(0, 64)
+        elems = codec.e2m1_word_fp16(tl.load(byte_ptr.to(tl.pointer_type(tl.int32)) + w))
+        for e in tl.static_range(8):
+            tl.store(words_ptr + w * 8 + e, elems[e].to(tl.float32) * codec.E2M1_FP16_FACTOR)
 
 
 def test_codec_device_functions(device):
@@ -169,10 +169,11 @@ def test_codec_device_functions(device):
     block = triton.next_power_of_2(n)
     byte = torch.arange(256, dtype=torch.uint8, device=device)
     outs = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2)]
-    outs += [torch.empty(256, dtype=torch.float32, device=device) for _ in range(5)]
+    outs += [torch.empty(256, dtype=torch.float32, device=device) for _ in range(3)]
+    outs += [torch.empty(512, dtype=torch.float32, device=device)]
     _codec_probe[(1,)](x.to(device), byte, *outs, n, BLOCK=block,
                        USE_ASM=device == "cuda", num_warps=4)
-    e4m3, e2m1, e4m3_dec, lo, hi, px, py = (o.cpu() for o in outs)
+    e4m3, e2m1, e4m3_dec, lo, hi, words = (o.cpu() for o in outs)
     finite = ~torch.isnan(x)
     assert torch.equal(e4m3[finite], R.e4m3_encode(x.abs()[finite]))
     assert torch.equal(e2m1, R.e2m1_encode(x))
@@ -181,11 +182,8 @@ def test_codec_device_functions(device):
     assert float(e4m3_dec[127]) == 480.0 and torch.equal(e4m3_dec[128:], e4m3_dec[:128])
     assert torch.equal(lo, R.e2m1_decode(byte.cpu() & 0xF))
     assert torch.equal(hi, R.e2m1_decode(byte.cpu() >> 4))
-    if device == "cuda":  # per 4-byte word (elements n0..n7): px = n0..n3, py = n4..n7
-        elems = torch.stack([R.e2m1_decode(byte.cpu() & 0xF), R.e2m1_decode(byte.cpu() >> 4)],
-                            dim=1).reshape(64, 2, 4)
-        assert torch.equal(px.reshape(64, 4), elems[:, 0]), "e2m1_pairs_fp16: first half"
-        assert torch.equal(py.reshape(64, 4), elems[:, 1]), "e2m1_pairs_fp16: second half"
+    if device == "cuda":  # element 2i / 2i+1 = low / high nibble of byte i
+        assert torch.equal(words, torch.stack([lo, hi], dim=1).flatten()), "e2m1_word_fp16"
 
 
 # ---------------------------------------------------------------- writer

@@ -28,7 +28,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k,
             cu_seqlens_k=cu_k, softmax_scale=scale, causal=causal,
             window_size=(window - 1, 0) if window else (-1, -1), softcap=softcap,
-            s_aux=sinks, fa_version=fa_version, out=out, return_softmax_lse=return_lse, **fp8)
+            s_aux=None if sinks is None else sinks.to(torch.bfloat16),  # FA3 takes bf16 only
+            fa_version=fa_version, out=out, return_softmax_lse=return_lse, **fp8)
         return res[1] if return_lse else None
     # CPU: the reference, one sequence at a time (small models in tests)
     if descale is not None:
