@@ -7,6 +7,10 @@ Compute: where does the NVFP4 decode kernel lose bandwidth (issue slots, stalls,
 
 Also prints the static instruction mix of our kernel's main loop (SASS via nvdisasm): issued
 warp-instructions per KV byte, the quantity that bounds a software-dequantizing kernel.
+Without a GPU, `--sass-only` compiles the kernel for sm_90 with Triton's own ptxas and prints
+just that mix (the number the kernel's design is judged by before any GPU time):
+
+    python evals/profile_decode.py --sass-only [--block-n 128 --warps 4 --stages 2]
 """
 from __future__ import annotations
 
@@ -50,12 +54,44 @@ def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -
             f"top: {ops.most_common(10)}")
 
 
+def compile_sm90(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 128):
+    """The decode kernel as the launcher specialises it (Llama-3-8B heads, page 16), compiled
+    ahead of time for sm_90: no GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from vllm_nvfp4kv.kernels.decode import _decode_kernel
+    sig = dict(q_ptr="*bf16", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
+               k_scale_ptr="*fp32", v_scale_ptr="*fp32", sinks_ptr="*fp32", out_ptr="*bf16",
+               part_out_ptr="*fp32", part_lse_ptr="*fp32", stride_qt="i32", stride_qh="i32",
+               stride_ot="i32", stride_oh="i32", stride_bt="i32", page_stride="i64",
+               sm_scale="fp32", softcap="fp32", window="i32")
+    const = dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
+                 G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, NUM_SPLITS=4,
+                 USE_ASM=True, HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_SINKS=False)
+    aligned = {"page_stride", "stride_qt", "stride_ot", "stride_bt"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
+             if v.startswith("*") or k in aligned}
+    src = triton.compiler.ASTSource(fn=_decode_kernel, constexprs=const, attrs=attrs,
+                                    signature={**sig, **{k: "constexpr" for k in const}})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--skip-fa3", action="store_true")
+    ap.add_argument("--sass-only", action="store_true", help="no GPU: compile for sm_90, print "
+                    "the loop's instruction mix")
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=2)
     args = ap.parse_args()
+    if args.sass_only:
+        print(loop_mix(compile_sm90(args.block_n, args.warps, args.stages), args.block_n,
+                       args.warps))
+        return
     dev = torch.device("cuda")
     p = bd.Problem(args.batch, args.ctx, 32, 8, 128, 16, dev)
     cache = p.nvfp4_cache()
