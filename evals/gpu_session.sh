@@ -48,7 +48,7 @@ case "${1:?stage}" in
   serve-bench) timeout 560 python3 evals/serve_bench.py --input-len 8192 --output-len 256 \
                 --num-prompts 64 --max-concurrency 32 --out "$OUT/serve_bench_h200.json" \
                 2>&1 | tail -8 ;;
-  decode)   timeout 560 python3 evals/bench_decode.py --budget-s 420 \
+  decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 \
                 --out "$OUT/decode_h200.json" 2>&1 | quiet | tail -40 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
                 2>&1 | grep best ;;
@@ -56,7 +56,7 @@ case "${1:?stage}" in
                 --out "$OUT/e2e_h200.json" 2>&1 | grep -E "CUSTOM|NVFP4 KV cache|tok/s|error" ;;
   qwen)     ls -la "$QWEN" /tmp/qwen.part 2>/dev/null
             timeout 200 python3 evals/assets.py qwen 2>&1 | tail -2 ;;
-  gsm8k)    timeout 580 python3 evals/lm_eval_gsm8k.py --model qwen --dtypes fp8 nvfp4 auto \
+  gsm8k)    timeout 580 python3 evals/lm_eval_gsm8k.py --model qwen --dtypes fp8 nvfp4 \
                 --out "$OUT/gsm8k_qwen_h200.json" 2>&1 | grep -E "^\||exact_match|Error" ;;
   fidelity) timeout 560 python3 evals/fidelity.py --texts 96 --chunk 64 --dtypes auto fp8 nvfp4 \
                 --out "$OUT/fidelity_smollm2_h200.json" 2>&1 | grep "^|" ;;
