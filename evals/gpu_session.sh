@@ -48,7 +48,7 @@ case "${1:?stage}" in
   serve-bench) timeout 560 python3 evals/serve_bench.py --input-len 8192 --output-len 256 \
                 --num-prompts 64 --max-concurrency 32 --out "$OUT/serve_bench_h200.json" \
                 2>&1 | tail -8 ;;
-  decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 \
+  decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 --ctx 4096 16384 32768 131072 524288 1048576 \
                 --out "$OUT/decode_h200.json" 2>&1 | quiet | tail -40 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
                 2>&1 | grep best ;;
