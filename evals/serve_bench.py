@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -61,7 +62,8 @@ def bench(port: int, tokenizer: str, args) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="HF folder (default: Llama-3-8B shape, see above)")
-    ap.add_argument("--dtypes", nargs="+", default=["nvfp4", "fp8"])
+    ap.add_argument("--dtypes", nargs="+", default=["nvfp4", "fp8"],
+                    help="KV cache dtypes; nvfp4+fp8ws = nvfp4 with the FP8 prefill workspace")
     ap.add_argument("--input-len", type=int, default=8192)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -80,15 +82,19 @@ def main():
            "torch": torch.__version__, "model": model if not dummy else
            "Llama-3-8B shape, dummy weights, SmolLM2 tokenizer", "args": vars(args), "rows": []}
     out = Path(args.out)
-    for dt in args.dtypes:
+    for name in args.dtypes:
+        # "nvfp4+fp8ws": the NVFP4 cache with the FP8 E4M3 prefill workspace
+        dt, env = name, None
+        if name == "nvfp4+fp8ws":
+            dt, env = "nvfp4", {**os.environ, "NVFP4KV_WORKSPACE_DTYPE": "fp8"}
         extra = ["--max-model-len", str(args.max_model_len), "--no-enable-prefix-caching",
                  "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         if dummy:
             extra += ["--load-format", "dummy"]
-        row = {"kv_dtype": dt}
+        row = {"kv_dtype": name}
         try:
             with Server(serve_cmd(model, dt, args.port, *extra),
-                        out.with_name(f"{out.stem}_{dt}.log")) as s:
+                        out.with_name(f"{out.stem}_{name}.log"), env) as s:
                 row["startup_s"] = s.startup_s
                 row.update(bench(args.port, model, args))
             row["startup_log"] = s.startup_lines()
