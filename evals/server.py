@@ -38,8 +38,11 @@ class Server:
     def __enter__(self) -> "Server":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
+        # PYTHONSAFEPATH: `python -m` from the repository root would put its kernels/ first on
+        # sys.path, shadowing Hugging Face's `kernels` package that transformers imports
+        env = {**(os.environ if self.env is None else self.env), "PYTHONSAFEPATH": "1"}
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env)
+                                     env=env)
         t0 = time.time()
         while True:
             if self.proc.poll() is not None:

@@ -99,6 +99,36 @@ def test_cpu_platform_selects_custom_for_nvfp4_only():
         == AttentionBackendEnum.CPU_ATTN.get_path()
 
 
+@pytest.mark.parametrize("head_size,block_size,reason", [
+    (128, 8, r"block sizes \[16, 32, 64, 128\], got 8"),
+    (128, 24, r"block sizes \[16, 32, 64, 128\], got 24"),
+    (16, 16, r"head_size to be a multiple of 16 in \[32, 512\], got 16"),
+    (528, 16, r"head_size to be a multiple of 16 in \[32, 512\], got 528"),
+    (72, 16, r"head_size to be a multiple of 16 in \[32, 512\], got 72"),
+    (64, 256, None), (512, 48, None), (32, 16, None), (80, 128, None),
+])
+def test_cpu_selection_refuses_what_cuda_refuses(cuda_platform, head_size, block_size, reason):
+    """vLLM's CPU selection does not run the backend's validate_configuration; the plugin's
+    CPU path does, and refuses (CPU_ATTN cannot read nvfp4 pages) with the same reason and
+    way out as the automatic selection on CUDA (SM90 here). Block sizes that 16 divides are
+    accepted on both (vLLM cuts them into kernel blocks of 16-128 tokens)."""
+    from vllm.platforms.cpu import CpuPlatform
+    _, with_capability = cuda_platform
+    plugin._patch_cpu_selection()
+    cfg = AttentionSelectorConfig(head_size=head_size, dtype=torch.bfloat16,
+                                  kv_cache_dtype="nvfp4", block_size=block_size)
+    platforms = (CpuPlatform, with_capability(9, 0))
+    if reason is None:
+        for platform in platforms:
+            assert platform.get_attn_backend_cls(None, cfg, 32) == plugin.BACKEND_PATH
+        return
+    with pytest.raises(ValueError, match=r"vllm-nvfp4kv\) cannot serve this layer on the CPU: .*"
+                       + reason + r".*--kv-cache-dtype fp8"):
+        CpuPlatform.get_attn_backend_cls(None, cfg, 32)
+    with pytest.raises(ValueError, match=reason + r".*--kv-cache-dtype fp8"):
+        platforms[1].get_attn_backend_cls(None, cfg, 32)
+
+
 @pytest.mark.parametrize("block_size,heads,head_size",
                          [(16, 8, 128), (16, 1, 256), (64, 3, 64), (32, 2, 96)])
 def test_page_size_equals_vllm_spec(block_size, heads, head_size):

@@ -155,6 +155,12 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
+        head_size_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
+        if head_size_v != kv_cache_spec.head_size:  # the page format has one D for K and V
+            raise ValueError(
+                f"NVFP4 KV cache (vllm-nvfp4kv) needs equal K and V head sizes, got head_size "
+                f"{kv_cache_spec.head_size} and head_size_v {head_size_v} (layers "
+                f"{', '.join(layer_names[:3])}); use --kv-cache-dtype fp8 or auto for this model")
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
         self.num_kv_heads = kv_cache_spec.num_kv_heads

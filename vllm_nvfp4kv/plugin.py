@@ -10,7 +10,9 @@ selection picks it for nvfp4 layers:
   GPU except the SM100 family, where upstream's FlashInfer path stays in charge (ask for ours
   there with ``--attention-backend CUSTOM``). Other dtypes: untouched.
 * CPU: ``CpuPlatform.get_attn_backend_cls`` returns CUSTOM for nvfp4 layers (the backend then
-  runs the torch references), so vLLM's CPU engine can serve and test the format.
+  runs the torch references), so vLLM's CPU engine can serve and test the format. It refuses
+  what the backend's ``validate_configuration`` refuses on CUDA (vLLM's CPU selection does not
+  run it), since vLLM's CPU_ATTN cannot read nvfp4 pages.
 """
 from __future__ import annotations
 
@@ -73,8 +75,26 @@ def _patch_cpu_selection() -> None:
 
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         if attn_selector_config.kv_cache_dtype == "nvfp4" and not attn_selector_config.use_mla:
+            reasons = cpu_refusals(attn_selector_config)
+            if reasons:  # CPU_ATTN cannot read nvfp4 pages: no fallback, refuse
+                raise ValueError("NVFP4 KV cache (vllm-nvfp4kv) cannot serve this layer on "
+                                 "the CPU: " + "; ".join(reasons))
             return AttentionBackendEnum.CUSTOM.get_path()
         return original(cls, selected_backend, attn_selector_config, num_heads)
 
     get_attn_backend_cls._nvfp4kv = True
+    get_attn_backend_cls._original = original  # vLLM's own CPU selection (tests)
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def cpu_refusals(attn_selector_config) -> list[str]:
+    """The backend's validate_configuration, as vLLM runs it on CUDA (head size, block size,
+    dtype, attention type, ...), each reason with its way out. The CPU has no compute
+    capability: the backend's minimum (8.0) is passed so that check is the only one left out."""
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_nvfp4kv.backend import NvFp4AttentionBackend
+
+    return NvFp4AttentionBackend.validate_configuration(
+        device_capability=DeviceCapability(8, 0), **attn_selector_config._asdict())
+
