@@ -1,5 +1,6 @@
 """Decode-attention kernel benchmark: NVFP4 (ours) vs FP8 and BF16 paged decode (vLLM's
-FlashAttention-3; FlashInfer if FA3 is missing), measured in one run on one GPU.
+FlashAttention-3; FlashInfer if FA3 is missing) and vLLM's own 4-bit KV cache
+(kv_cache_dtype int4_per_token_head, TRITON_ATTN backend), measured in one run on one GPU.
 
 Llama-3-8B-like heads by default (32 q / 8 kv, D=128), page size 16, random page order, one
 layer. Each timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph).
@@ -31,7 +32,8 @@ import triton  # noqa: E402
 from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
 from vllm_nvfp4kv.kernels.decode import choose_num_splits  # noqa: E402
 
-BYTES_PER_TOKEN_HEAD = {"bf16": 512, "fp8": 256, "nvfp4": 144}  # K+V, D=128
+# K+V, D=128; int4: [K(64) | K scale+zero-point(4) | V(64) | V scale+zero-point(4)]
+BYTES_PER_TOKEN_HEAD = {"bf16": 512, "fp8": 256, "nvfp4": 144, "int4": 136}
 
 
 def copy_bandwidth(device) -> float:
@@ -105,6 +107,43 @@ def fa3_fn(p: Problem, k, v, fp8: bool):
         **desc)
 
 
+def int4_fn(p: Problem):
+    """vLLM's int4_per_token_head decode, through the TRITON_ATTN backend's own impl:
+    forward -> unified_attention -> unified_attention_int4 (RHT of q, split-dot kernel, 3D
+    split-KV + reduce_segments when batch <= seq_threshold_3D, else 2D; inverse RHT of out).
+    The cache is written by the backend's writer (do_kv_cache_update -> reshape_and_cache_int4)."""
+    if p.device.type == "cpu":  # vLLM's CPU build stubs Triton out: run its kernels interpreted
+        import vllm.triton_utils as vtu
+        vtu.triton, vtu.tl = triton, triton.language
+    from vllm.v1.attention.backends import triton_attn as ta
+    dt = "int4_per_token_head"
+    impl = ta.TritonAttentionImpl(p.hq, p.d, p.scale, p.hkv, None, None, dt)
+    nb, h, pg, c = ta.TritonAttentionBackend.get_kv_cache_shape(p.num_blocks, p.page, p.hkv,
+                                                                p.d, dt)
+    # logical [blocks, hkv, page, 2 * (D/2 + 4)] uint8 over vLLM's default NHD memory order
+    cache = torch.empty(nb, pg, h, c, dtype=torch.uint8, device=p.device).transpose(1, 2)
+    chunk, total = 1 << 20, p.num_blocks * p.page
+    for s in range(0, total, chunk):
+        n = min(chunk, total - s)
+        kv = torch.randn(n, p.hkv, p.d, dtype=torch.bfloat16, device=p.device)
+        impl.do_kv_cache_update(None, kv, kv, cache, torch.arange(s, s + n, device=p.device))
+    # as TritonAttentionMetadataBuilder: 128 // hkv (16 at 8 KV heads, also a graph capture size)
+    thr, seg = ta.MIN_LAUNCH_GRID_SIZE_2D // p.hkv, ta.NUM_PAR_SOFTMAX_SEGMENTS
+    f32 = dict(dtype=torch.float32, device=p.device)
+    md = ta.TritonAttentionMetadata(
+        num_actual_tokens=p.batch, max_query_len=1, max_seq_len=p.ctx, seq_lens=p.seq_lens,
+        query_start_loc=torch.arange(p.batch + 1, dtype=torch.int32, device=p.device),
+        block_table=p.block_table, slot_mapping=None, seq_threshold_3D=thr,
+        num_par_softmax_segments=seg,
+        softmax_segm_output=torch.empty(thr, p.hq, seg, triton.next_power_of_2(p.d), **f32),
+        softmax_segm_max=torch.empty(thr, p.hq, seg, **f32),
+        softmax_segm_expsum=torch.empty(thr, p.hq, seg, **f32), causal=True,
+        use_cascade=False, common_prefix_len=0, cu_prefix_query_lens=None, prefix_kv_lens=None,
+        suffix_kv_lens=None)
+    out = torch.empty_like(p.q)
+    return lambda: impl.forward(None, p.q, None, None, cache, md, out)
+
+
 def check(args, device):
     """Ours vs the torch reference on a small problem before any timing."""
     p = Problem(3, 1000 if device.type == "cuda" else 40, args.hq, args.hkv, args.d, args.page,
@@ -156,6 +195,12 @@ def bench(args):
             out = torch.empty_like(p.q)
             row["nvfp4_ms"] = time_fn(run_nvfp4(p, cache, out), device)
             del cache
+            try:  # vLLM's int4 decode hit an illegal address at 16 x 16K tokens on an H200
+                if batch * ctx > args.int4_max_tokens:
+                    raise RuntimeError("skipped (--int4-max-tokens)")
+                row["int4_ms"] = time_fn(int4_fn(p), device)
+            except Exception as e:  # noqa: BLE001 (the baseline must never stop the sweep)
+                print(f"int4 failed at b{batch} ctx {ctx}: {type(e).__name__}: {e}", flush=True)
             if have_fa3:
                 for name, dt in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
                     if batch * ctx * args.hkv * BYTES_PER_TOKEN_HEAD[name] > args.max_dense_bytes:
@@ -164,7 +209,7 @@ def bench(args):
                     row[f"{name}_ms"] = time_fn(fa3_fn(p, k, v, name == "fp8"), device)
                     del k, v
             kv_tokens = batch * ctx * args.hkv
-            for name in ("nvfp4", "fp8", "bf16"):
+            for name in ("nvfp4", "int4", "fp8", "bf16"):
                 if f"{name}_ms" in row:
                     byts = kv_tokens * BYTES_PER_TOKEN_HEAD[name] * args.d / 128
                     row[f"{name}_GBps"] = byts / (row[f"{name}_ms"] * 1e-3) / 1e9
@@ -172,6 +217,8 @@ def bench(args):
                 row["speedup_vs_fp8"] = row["fp8_ms"] / row["nvfp4_ms"]
             if "bf16_ms" in row:
                 row["speedup_vs_bf16"] = row["bf16_ms"] / row["nvfp4_ms"]
+            if "int4_ms" in row:
+                row["speedup_vs_int4"] = row["int4_ms"] / row["nvfp4_ms"]
             row["nvfp4_frac_copy_bw"] = row.get("nvfp4_GBps", 0) * 1e9 / copy_bw
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
@@ -219,20 +266,23 @@ def plot(res, path):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for b in batches:
         rs = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["ctx"])
-        for name, style in (("nvfp4", "-o"), ("fp8", "--s"), ("bf16", ":^")):
+        for name, style in (("nvfp4", "-o"), ("int4", "-.d"), ("fp8", "--s"), ("bf16", ":^")):
             xs = [r["ctx"] for r in rs if f"{name}_ms" in r]
             if xs:
                 axes[0].plot(xs, [r[f"{name}_GBps"] for r in rs if f"{name}_ms" in r], style,
                              label=f"{name} b{b}")
-        xs = [r["ctx"] for r in rs if "speedup_vs_fp8" in r]
-        axes[1].plot(xs, [r["speedup_vs_fp8"] for r in rs if "speedup_vs_fp8" in r], "-o",
-                     label=f"vs FP8, b{b}")
+        for key, style, lab in (("speedup_vs_fp8", "-o", "FP8"),
+                                ("speedup_vs_int4", "-.d", "INT4")):
+            xs = [r["ctx"] for r in rs if key in r]
+            if xs:
+                axes[1].plot(xs, [r[key] for r in rs if key in r], style, label=f"vs {lab}, b{b}")
     bw = res.get("copy_bandwidth_GBps")
     if bw and bw == bw:
         axes[0].axhline(bw, color="k", lw=0.8, label="copy bandwidth")
     axes[1].axhline(1.6, color="r", lw=0.8, ls="--", label="target 1.6x")
-    for ax, t in zip(axes, ("effective KV GB/s", "NVFP4 speed-up over FP8 (FA3)")):
-        if ax is axes[0] or any("speedup_vs_fp8" in r for r in rows):
+    for ax, t in zip(axes, ("effective KV GB/s",
+                            "NVFP4 speed-up over FP8 (FA3) and INT4 (vLLM Triton)")):
+        if ax is axes[0] or any("speedup_vs_fp8" in r or "speedup_vs_int4" in r for r in rows):
             ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_title(t)
@@ -246,14 +296,17 @@ def print_markdown(res):
     print(f"{res['gpu']}, {res['date']}, torch {res['torch']}, triton {res['triton']}, "
           f"vLLM {res.get('vllm', '-')} FA3; heads {res['heads']}, page {res['page']}; "
           f"copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s (read + write)\n")
-    print("| batch | context | BF16 FA3 ms | FP8 FA3 ms | NVFP4 ms | NVFP4 speed-up vs FP8 "
-          "| vs BF16 | NVFP4 KV GB/s | % of copy bw |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| batch | context | BF16 FA3 ms | FP8 FA3 ms | INT4 Triton ms | NVFP4 ms "
+          "| NVFP4 speed-up vs FP8 | vs BF16 | vs INT4 | NVFP4 KV GB/s | INT4 KV GB/s "
+          "| % of copy bw |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in res["rows"]:
         f = lambda k, fmt=".3f": format(r[k], fmt) if k in r else "-"  # noqa: E731
         print(f"| {r['batch']} | {r['ctx'] // 1024}K | {f('bf16_ms')} | {f('fp8_ms')} | "
-              f"{f('nvfp4_ms')} | {f('speedup_vs_fp8', '.2f')}x | {f('speedup_vs_bf16', '.2f')}x "
-              f"| {r['nvfp4_GBps']:.0f} | {100 * r['nvfp4_frac_copy_bw']:.0f}% |")
+              f"{f('int4_ms')} | {f('nvfp4_ms')} | {f('speedup_vs_fp8', '.2f')}x | "
+              f"{f('speedup_vs_bf16', '.2f')}x | {f('speedup_vs_int4', '.2f')}x | "
+              f"{r['nvfp4_GBps']:.0f} | {f('int4_GBps', '.0f')} | "
+              f"{100 * r['nvfp4_frac_copy_bw']:.0f}% |")
 
 
 def main():
@@ -270,6 +323,9 @@ def main():
     ap.add_argument("--max-dense-bytes", type=float, default=60e9,
                     help="skip an FP8/BF16 baseline whose cache is larger")
     ap.add_argument("--budget-s", type=float, default=420, help="stop starting new shapes after")
+    ap.add_argument("--int4-max-tokens", type=int, default=65536,
+                    help="time vLLM's int4_per_token_head only up to batch*ctx tokens (it "
+                         "faulted at 262,144 on an H200, poisoning the CUDA context)")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")
@@ -286,11 +342,13 @@ def main():
     if not args.tune and res["rows"]:
         plot(res, args.out.replace(".json", ".png"))
     if not args.tune:
-        print(f"{'ctx':>8} {'b':>3} {'nvfp4 ms':>9} {'fp8 ms':>8} {'bf16 ms':>8} "
-              f"{'x fp8':>6} {'x bf16':>6} {'GB/s':>6} {'%copy':>6}")
+        print(f"{'ctx':>8} {'b':>3} {'nvfp4 ms':>9} {'int4 ms':>8} {'fp8 ms':>8} {'bf16 ms':>8} "
+              f"{'x int4':>6} {'x fp8':>6} {'x bf16':>6} {'GB/s':>6} {'%copy':>6}")
         for r in res["rows"]:
             print(f"{r['ctx']:>8} {r['batch']:>3} {r['nvfp4_ms']:>9.4f} "
+                  f"{r.get('int4_ms', float('nan')):>8.4f} "
                   f"{r.get('fp8_ms', float('nan')):>8.4f} {r.get('bf16_ms', float('nan')):>8.4f} "
+                  f"{r.get('speedup_vs_int4', float('nan')):>6.2f} "
                   f"{r.get('speedup_vs_fp8', float('nan')):>6.2f} "
                   f"{r.get('speedup_vs_bf16', float('nan')):>6.2f} "
                   f"{r.get('nvfp4_GBps', float('nan')):>6.0f} "
