@@ -51,7 +51,7 @@ case "${1:?stage}" in
   serve-ws) timeout 560 python3 evals/serve_bench.py --dtypes nvfp4+fp8ws --input-len 8192 \
                 --output-len 256 --num-prompts 64 --max-concurrency 32 \
                 --out "$OUT/serve_bench_fp8ws_h200.json" 2>&1 | tail -4 ;;
-  decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 --ctx 4096 16384 32768 131072 524288 1048576 \
+  decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 --int4-max-tokens 0 --ctx 4096 16384 32768 131072 524288 1048576 \
                 --out "$OUT/decode_h200.json" 2>&1 | quiet | tail -40 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
                 2>&1 | grep best ;;
