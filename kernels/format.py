@@ -22,9 +22,14 @@ scale ``g`` (vLLM's ``k_scale`` / ``v_scale``; 1.0 when the checkpoint has none)
     q     = e2m1(x * r)                   round-to-nearest-even on {0,.5,1,1.5,2,3,4,6}, saturating
     value = e2m1_value(q) * float(s) * g  (decoding)
 
+With 4-over-6 block scales (NVFP4KV_FOUR_OVER_SIX, on by default) the writer also encodes with
+``s = e4m3(amax / 4 / g)`` and keeps that where its squared error is strictly smaller; the
+decoding and the stored format are unchanged.
+
 Special values (the cache never holds a non-finite value, so no NaN can leak from it):
-  * all-zero blocks, and blocks whose scale underflows E4M3 (amax < 6 * 2**-10 * g): scale byte 0,
-    all codes 0, decode to exact zeros;
+  * all-zero blocks, and blocks whose scale underflows E4M3: scale byte 0, all codes 0, decode
+    to exact zeros. Guaranteed below amax = 4 * 2**-10 * g with 4-over-6 (the default), below
+    6 * 2**-10 * g without; in between, 4-over-6 may keep the smallest scale (2**-9) instead;
   * |x| beyond the block's range (including +-Inf, and anything beyond 6 * 448 * g): saturate
     to +-6 * scale;
   * NaN: stored as 0 (code 0) and ignored by amax. A NaN in K/V therefore does not poison later
