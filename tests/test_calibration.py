@@ -1,0 +1,331 @@
+"""Calibrated per-layer global scales (vllm_nvfp4kv/calibration.py): the rule, online
+calibration fixed by the first real write only (dummy/padded rows ignored, never changed
+afterwards), the CUDA-graph guard kernel against the eager path, scales files, precedence,
+and a real CPU engine whose profile/warm-up runs must not calibrate."""
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_nvfp4kv import calibration as cal
+from vllm_nvfp4kv.kernels import kv_cache_shape, reference
+from vllm_nvfp4kv.kernels.rotation import rotate
+
+H, D, N = 2, 64, 16
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    for k in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE", "NVFP4KV_CHECKPOINT_SCALES",
+              "NVFP4KV_CALIBRATE_HEADROOM"):
+        monkeypatch.delenv(k, raising=False)
+    cal._files.clear()
+
+
+def _layer(name="model.layers.0.self_attn.attn", k=1.0, v=1.0, device="cpu"):
+    return SimpleNamespace(_k_scale=torch.tensor(k, device=device),
+                           _v_scale=torch.tensor(v, device=device), layer_name=name)
+
+
+def _kv(t, device="cpu", mult=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(t, H, D, generator=g) * mult).to(device, torch.bfloat16)
+    v = (torch.randn(t, H, D, generator=g) * mult * 0.1).to(device, torch.bfloat16)
+    return k, v
+
+
+def _pow2_rule(amax, headroom):
+    """The power of two >= headroom * amax / 2688, that product taken in fp32 as on device."""
+    y = float(torch.tensor(amax, dtype=torch.float32)
+              * torch.tensor(headroom / 2688, dtype=torch.float32))
+    m, e = math.frexp(y)
+    return y if m == 0.5 else 2.0 ** e
+
+
+def test_rule_is_the_next_power_of_two():
+    for amax in (1e-4, 0.37, 2688 / 64, 42.0000001, 15.9, 3e4):
+        for h in (1.0, 8.0, 64.0):
+            want = _pow2_rule(amax, h)
+            got = cal.scale_from_amax(torch.tensor(amax), h).item()
+            assert got == cal.scale_from_amax_float(amax, h) == want
+            assert got * 2688 >= h * amax * (1 - 1e-6) and got * 2688 < 2 * h * amax * 1.000001
+            assert math.log2(got).is_integer()
+
+
+def test_power_of_two_scale_only_moves_the_range():
+    """Blocks whose E4M3 scale is normal at g = 1 get the same codes at g = 2**k: the rule can
+    only fix blocks that saturate or underflow, not make representable ones worse."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(64, D, generator=g) * 2 - 1) * torch.logspace(0, 1.5, 64)[:, None]
+    # block amax in ~[0.8, 32]: scales amax/6/g and amax/4/g normal E4M3 for g in [1/4, 4]
+    d1, s1 = reference.quantize(x, 1.0, four_over_six=True)
+    for g in (2.0 ** -2, 2.0 ** 2):
+        dg, sg = reference.quantize(x, g, four_over_six=True)
+        assert torch.equal(d1, dg)
+        assert torch.equal(reference.dequantize(d1, s1, 1.0), reference.dequantize(dg, sg, g))
+
+
+def test_online_first_real_write_fixes_scales(monkeypatch):
+    monkeypatch.setenv("NVFP4KV_CALIBRATE", "online")
+    layer = _layer()
+    # a dummy run (vLLM pads every slot with -1): huge garbage K/V must be ignored
+    k, v = _kv(8, mult=1e4)
+    cal.prepare_write(layer, k, v, torch.full((8,), -1))
+    st = cal.state(layer)
+    assert st.source == "online" and not st.done
+    assert layer._k_scale.item() == 1.0 and layer._v_scale.item() == 1.0
+    # the first real batch, with two padded rows holding garbage
+    k, v = _kv(10)
+    k[8:], v[8:] = 1e6, float("nan")
+    k[3, 1, 5] = float("inf")  # non-finite values do not count
+    slots = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, -1, -1])
+    cal.prepare_write(layer, k, v, slots)
+    ak = k[:8].float().abs().nan_to_num(posinf=0).max().item()
+    av = v[:8].float().abs().max().item()
+    assert st.done and st.flag.tolist() == [1, 1]
+    assert layer._k_scale.item() == _pow2_rule(ak, 64.0)
+    assert layer._v_scale.item() == _pow2_rule(av, 64.0)
+    # later batches, even far larger, never change them (pages keep their scale)
+    before = (layer._k_scale.item(), layer._v_scale.item())
+    cal.prepare_write(layer, *_kv(4, mult=1e3), torch.arange(4))
+    assert (layer._k_scale.item(), layer._v_scale.item()) == before
+
+
+def test_online_all_zero_side_waits(monkeypatch):
+    monkeypatch.setenv("NVFP4KV_CALIBRATE", "online")
+    monkeypatch.setenv("NVFP4KV_CALIBRATE_HEADROOM", "8")
+    layer = _layer()
+    k, v = _kv(4)
+    cal.prepare_write(layer, k, torch.zeros_like(v), torch.arange(4))
+    st = cal.state(layer)
+    assert st.flag.tolist() == [1, 0] and not st.done and layer._v_scale.item() == 1.0
+    cal.prepare_write(layer, k * 4, v, torch.arange(4))
+    assert st.done
+    assert layer._k_scale.item() == _pow2_rule(k.float().abs().max().item(), 8.0)
+    assert layer._v_scale.item() == _pow2_rule(v.float().abs().max().item(), 8.0)
+
+
+def test_backend_writes_with_the_calibrated_scales(monkeypatch):
+    """Through the backend: the first real batch is written with the scales calibrated from
+    it (from K as cached, i.e. rotated), and the cache equals the reference writer's."""
+    pytest.importorskip("vllm")
+    from vllm_nvfp4kv.backend import NvFp4AttentionImpl
+    monkeypatch.setenv("NVFP4KV_CALIBRATE", "online")
+    impl = NvFp4AttentionImpl(4, D, D ** -0.5, H, None, None, "nvfp4")
+    assert impl.rotate_k  # default for power-of-two head sizes
+    layer = _layer()
+    cache = torch.zeros(kv_cache_shape(4, N, H, D), dtype=torch.uint8)
+    k, v = _kv(6, mult=0.01)  # small K/V: at g = 1 their block scales are E4M3 subnormals
+    impl.do_kv_cache_update(layer, k, v, cache, torch.full((6,), -1))  # warm-up: no data
+    assert torch.count_nonzero(cache) == 0 and layer._k_scale.item() == 1.0
+    slots = torch.tensor([17, 18, 19, 20, 21, -1])
+    impl.do_kv_cache_update(layer, k, v, cache, slots)
+    kr = rotate(k)
+    gk = _pow2_rule(kr[:5].float().abs().max().item(), 64.0)
+    gv = _pow2_rule(v[:5].float().abs().max().item(), 64.0)
+    assert (layer._k_scale.item(), layer._v_scale.item()) == (gk, gv)
+    want = torch.zeros_like(cache)
+    reference.write_cache(want, kr, v, slots, gk, gv, True)
+    assert torch.equal(cache, want)
+
+
+def test_guard_kernel_matches_the_eager_path(monkeypatch, device):
+    """What a CUDA graph captures (one Triton program, no host read) calibrates exactly like
+    the eager path, skips padded rows and non-finite values, and does nothing once set."""
+    monkeypatch.setenv("NVFP4KV_CALIBRATE", "online")
+    k, v = _kv(21, device=device, mult=3.0, seed=1)
+    k[2, 0, 7], v[4, 1, 0] = float("nan"), float("-inf")
+    k[20], v[20] = 1e5, 1e5  # a padded row
+    slots = torch.arange(21, device=device)
+    slots[20] = -1
+    eager, graph = _layer(device=device), _layer(device=device)
+    cal.prepare_write(eager, k, v, slots)
+    st = cal.init_layer(graph, k.device)
+    cal.guard_update(graph, st, k, v, slots)
+    assert st.flag.tolist() == [1, 1]
+    assert graph._k_scale.item() == eager._k_scale.item()
+    assert graph._v_scale.item() == eager._v_scale.item()
+    cal.guard_update(graph, st, k * 100, v * 100, slots)  # flag set: no change
+    assert graph._k_scale.item() == eager._k_scale.item()
+    dummy = _layer(device=device)
+    st = cal.init_layer(dummy, k.device)
+    cal.guard_update(dummy, st, k, v, torch.full_like(slots, -1))  # a padded-only replay
+    assert st.flag.tolist() == [0, 0] and dummy._k_scale.item() == 1.0
+
+
+def test_scales_file_round_trip_and_precedence(monkeypatch, tmp_path):
+    path = tmp_path / "scales.json"
+    res = cal.write_scales_file(str(path), {"a": [10.0, 0.5], "b": [2688.0, 0.0]}, 8.0,
+                                {"model": "m"})
+    raw = json.loads(path.read_text())
+    assert raw["a"] == [_pow2_rule(10.0, 8), _pow2_rule(0.5, 8)] == res["a"]
+    assert raw["b"] == [8.0, 1.0]  # a side never seen non-zero keeps 1.0
+    assert raw["_meta"]["amax"]["a"] == [10.0, 0.5] and raw["_meta"]["headroom"] == 8.0
+    assert cal.load_scales_file(str(path)) == {"a": tuple(raw["a"]), "b": (8.0, 1.0)}
+
+    monkeypatch.setenv("NVFP4KV_SCALES_FILE", str(path))
+    monkeypatch.setenv("NVFP4KV_CALIBRATE", "online")
+    x = torch.zeros(1, H, D)
+    # file beats online; the scales are in place before the first write
+    la = _layer("a")
+    cal.prepare_write(la, x, x, torch.full((1,), -1))
+    assert cal.state(la).source == "file" and cal.state(la).done
+    assert (la._k_scale.item(), la._v_scale.item()) == tuple(raw["a"])
+    # a layer missing from the file falls back to online
+    lc = _layer("c")
+    cal.prepare_write(lc, x, x, torch.full((1,), -1))
+    assert cal.state(lc).source == "online"
+    # checkpoint scales (anything but vLLM's default 1.0) beat the file ...
+    lck = _layer("a", k=0.25, v=0.5)
+    cal.prepare_write(lck, x, x, torch.full((1,), -1))
+    assert cal.state(lck).source == "checkpoint"
+    assert (lck._k_scale.item(), lck._v_scale.item()) == (0.25, 0.5)
+    # ... unless told to ignore them
+    monkeypatch.setenv("NVFP4KV_CHECKPOINT_SCALES", "ignore")
+    lig = _layer("a", k=0.25, v=0.5)
+    cal.prepare_write(lig, x, x, torch.full((1,), -1))
+    assert cal.state(lig).source == "file"
+    assert (lig._k_scale.item(), lig._v_scale.item()) == tuple(raw["a"])
+    lig2 = _layer("zz", k=0.25, v=0.5)
+    monkeypatch.setenv("NVFP4KV_CALIBRATE", "off")
+    cal.prepare_write(lig2, x, x, torch.full((1,), -1))
+    assert cal.state(lig2).source == "default" and lig2._k_scale.item() == 1.0
+
+
+def test_default_is_a_no_op(device):
+    layer = _layer(device=device)
+    k, v = _kv(3, device=device, mult=100)
+    cal.prepare_write(layer, k, v, torch.arange(3, device=device))
+    st = cal.state(layer)
+    assert st.source == "default" and st.done and st.flag is None
+    assert layer._k_scale.item() == 1.0
+
+
+def test_bad_files_and_options_are_refused(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"a": [0.0, 1.0]}))
+    with pytest.raises(ValueError, match="finite and positive"):
+        cal.load_scales_file(str(bad))
+    with pytest.raises(FileNotFoundError, match="vllm_nvfp4kv.calibration"):
+        cal.load_scales_file(str(tmp_path / "missing.json"))
+    monkeypatch.setenv("NVFP4KV_CALIBRATE", "sometimes")
+    with pytest.raises(ValueError, match="NVFP4KV_CALIBRATE"):
+        cal.prepare_write(_layer(), *_kv(1), torch.arange(1))
+
+
+def test_collect_mode_records_amax_without_changing_scales(monkeypatch):
+    monkeypatch.setenv("NVFP4KV_CALIBRATE", "collect")
+    layer = _layer()
+    k1, v1 = _kv(5)
+    k2, v2 = _kv(5, mult=2.0, seed=3)
+    cal.prepare_write(layer, k1, v1, torch.arange(5))
+    cal.prepare_write(layer, k2, v2, torch.tensor([0, 1, 2, -1, -1]))
+    model = SimpleNamespace(modules=lambda: [layer, SimpleNamespace()])
+    got = cal.collected(model)[layer.layer_name]
+    assert got[0] == max(k1.float().abs().max(), k2[:3].float().abs().max()).item()
+    assert got[1] == max(v1.float().abs().max(), v2[:3].float().abs().max()).item()
+    assert got[2] == 8 and layer._k_scale.item() == 1.0
+
+
+# ----------------------------------------------------------------- a real engine (CPU)
+MODEL = str(Path(__file__).resolve().parents[1] / "evals" / "models" / "tiny-llama")
+
+
+@pytest.mark.vllm
+def test_engine_profile_and_warmup_runs_do_not_calibrate(monkeypatch):
+    """vLLM's CPU engine (tiny llama, dummy weights): after start-up (profile run, warm-up)
+    no layer is calibrated; the first request's first batch fixes every layer's scales, from
+    that batch's real K/V, before it is written; a second request changes nothing."""
+    pytest.importorskip("vllm")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    monkeypatch.setenv("NVFP4KV_CALIBRATE", "online")
+    from vllm import LLM, SamplingParams
+    writes = []
+    orig = reference.write_cache
+
+    def spy(cache, key, value, slots, k_scale, v_scale, fos=False):
+        writes.append((key.clone(), value.clone(), slots.clone(), float(k_scale),
+                       float(v_scale)))
+        return orig(cache, key, value, slots, k_scale, v_scale, fos)
+
+    monkeypatch.setattr(reference, "write_cache", spy)
+    llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+              dtype="bfloat16", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=32,
+              kv_cache_memory_bytes=16 << 20, kv_cache_dtype="nvfp4", seed=0, block_size=16)
+
+    def layers():
+        return [(m.layer_name, m) for m in llm.llm_engine.model_executor.driver_worker.worker
+                .model_runner.model.modules() if hasattr(m, "layer_name")]
+
+    for _, m in layers():  # start-up wrote no real slot: nothing fixed
+        st = cal.state(m)
+        assert st is None or not st.done
+        assert m._k_scale.item() == 1.0 and m._v_scale.item() == 1.0
+    startup = len(writes)
+    assert all((w[2] < 0).all() for w in writes)
+    sp = SamplingParams(max_tokens=3, temperature=0, detokenize=False)
+    prompt = {"prompt_token_ids": list(range(5, 45))}  # 40 tokens: chunks of 32 + 8
+    llm.generate([prompt], sp, use_tqdm=False)
+    named = layers()
+    assert len(named) == 2
+    for i, (name, m) in enumerate(named):
+        first = writes[startup + i]  # layers write in order; the first step's batch
+        key, value, slots = first[0], first[1], first[2]
+        valid = slots >= 0
+        assert valid.sum() == 32
+        gk = _pow2_rule(key[valid].float().abs().max().item(), 64.0)
+        gv = _pow2_rule(value[valid].float().abs().max().item(), 64.0)
+        assert cal.state(m).done and cal.state(m).source == "online"
+        assert (m._k_scale.item(), m._v_scale.item()) == (gk, gv)
+        assert first[3:] == (gk, gv)  # that batch was written with them
+    fixed = [(m._k_scale.item(), m._v_scale.item()) for _, m in named]
+    out1 = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert [(m._k_scale.item(), m._v_scale.item()) for _, m in layers()] == fixed
+    assert all(w[3:] in fixed for w in writes[startup:])
+    assert len(out1) == 3
+    del llm
+    # the engine's shared workspace is an inference tensor: leave none to later tests
+    from vllm.v1.worker.workspace import reset_workspace_manager
+
+    from vllm_nvfp4kv import workspace
+    reset_workspace_manager()
+    workspace._fallback.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_calibrates_once(monkeypatch):
+    """A graph captured before calibration carries the guard: its first replay with real slots
+    calibrates; later replays and eager writes leave the scales alone."""
+    monkeypatch.setenv("NVFP4KV_CALIBRATE", "online")
+    layer = _layer(device="cuda")
+    k = torch.zeros(8, H, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    slots = torch.full((8,), -1, device="cuda")
+    cal.prepare_write(layer, k, v, slots)  # eager warm-up: state, no data
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        cal.prepare_write(layer, k, v, slots)
+    torch.cuda.current_stream().wait_stream(s)
+    assert layer._k_scale.item() == 1.0
+    graph.replay()  # padded-only replay
+    assert layer._k_scale.item() == 1.0
+    kk, vv = _kv(8, device="cuda", mult=5.0)
+    k.copy_(kk)
+    v.copy_(vv)
+    slots.copy_(torch.arange(8, device="cuda"))
+    slots[7] = -1
+    graph.replay()
+    gk = _pow2_rule(kk[:7].float().abs().max().item(), 64.0)
+    assert layer._k_scale.item() == gk
+    k.mul_(100)
+    graph.replay()
+    cal.prepare_write(layer, k, v, slots)  # eager: reads the flag, done
+    assert cal.state(layer).done and layer._k_scale.item() == gk

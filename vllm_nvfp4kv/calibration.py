@@ -1,0 +1,422 @@
+"""Per-layer global scales (format.py's ``g``) calibrated from K/V statistics.
+
+Where a layer's (k_scale, v_scale) come from, first match wins (README "Calibrated global
+scales"):
+
+1. **checkpoint**: the scales vLLM loaded (ModelOpt/compressed-tensors ``k_scale``/``v_scale``),
+   i.e. anything other than vLLM's default 1.0. ``NVFP4KV_CHECKPOINT_SCALES=ignore`` skips them.
+2. **file**: ``NVFP4KV_SCALES_FILE=path``, JSON ``{layer_name: [k_scale, v_scale]}`` written by
+   ``python -m vllm_nvfp4kv.calibration`` (offline calibration over a set of texts).
+3. **online**: ``NVFP4KV_CALIBRATE=online`` fixes each side of each layer from the first batch
+   that writes real tokens into that layer's cache, before that batch is written.
+4. **default**: 1.0 (the seed).
+
+The rule (both calibrations): ``g = 2 ** ceil(log2(headroom * amax / (6 * 448)))``, amax the
+largest finite |K| (|V|) seen. ``6 * 448 * g`` is the largest value a block can hold, so the
+largest block seen gets an E4M3 scale of at most 448 / headroom, and K/V up to ``headroom``
+times larger than anything seen still fit. A power of two only shifts the E4M3 exponent: a
+block whose scale is a normal E4M3 number at g = 1 encodes to the same codes and decodes to
+the same values at any power-of-two g, so calibration changes nothing but which blocks
+saturate (above the range) or lose precision (E4M3 subnormals, below it). Measured on
+SmolLM2's K/V the quantization error is flat in g once the range fits (``evals/fidelity.py
+--variants calibration``), so a wide headroom is free: 64 online (one token's amax was up to
+12.6x below the layer's over 16 texts), 8 offline (the max over the calibration set).
+
+Online calibration and vLLM's dummy runs: the profile run happens before the KV cache exists
+(no write), and every dummy/warm-up/capture batch has all slots -1 (vLLM pads with
+PAD_SLOT_ID), so only a batch with a slot >= 0 counts, and only its rows with slots >= 0.
+Until the layer is calibrated each eager write reads one flag back (a host sync); afterwards
+the check is a Python attribute, no sync. CUDA graphs: a full decode graph captured before
+calibration carries a one-program guard kernel that returns at once when the layer's device
+flag is set, and calibrates from the replayed batch if a graph replay is the first real write
+(a first batch of one-token prompts). Pages keep the scale they were written with; the scale
+never changes once set.
+
+``NVFP4KV_CALIBRATE=collect`` records the running amax of every layer's K/V on the device (no
+sync) for the offline command, which reads it back with ``LLM.apply_model``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernels.format import E2M1_MAX, E4M3_MAX
+
+RANGE = E2M1_MAX * E4M3_MAX        # 2688: the largest |value| a block can hold at g = 1
+ONLINE_HEADROOM = 64.0
+OFFLINE_HEADROOM = 8.0
+_ATTR = "_nvfp4kv_calibration"     # per-layer state, set on the attention layer
+_logged: set[str] = set()
+
+
+def _log(key: str, msg: str, *args, level: str = "info") -> None:
+    """Once per key and process, to the backend's logger (under "vllm": vLLM's config)."""
+    if key in _logged:
+        return
+    _logged.add(key)
+    getattr(logging.getLogger("vllm.nvfp4kv"), level)(msg, *args)
+
+
+def settings() -> dict:
+    """The calibration options, read from the environment (at each layer's first write)."""
+    mode = os.environ.get("NVFP4KV_CALIBRATE", "off").lower() or "off"
+    if mode not in ("off", "0", "online", "1", "collect"):
+        raise ValueError(f"NVFP4KV_CALIBRATE={mode!r}: use off, online or collect")
+    ckpt = os.environ.get("NVFP4KV_CHECKPOINT_SCALES", "prefer").lower()
+    if ckpt not in ("prefer", "ignore"):
+        raise ValueError(f"NVFP4KV_CHECKPOINT_SCALES={ckpt!r}: use prefer or ignore")
+    return {"online": mode in ("online", "1"), "collect": mode == "collect",
+            "file": os.environ.get("NVFP4KV_SCALES_FILE", ""), "checkpoint": ckpt,
+            "headroom": float(os.environ.get("NVFP4KV_CALIBRATE_HEADROOM", ONLINE_HEADROOM))}
+
+
+# ------------------------------------------------------------------ the rule
+def scale_from_amax(amax: torch.Tensor, headroom: float) -> torch.Tensor:
+    """fp32 amax (> 0) -> the power of two >= headroom * amax / 2688, fp32, same device.
+    Bit arithmetic, so the Triton guard and this function agree exactly."""
+    y = amax.float() * torch.tensor(headroom / RANGE, dtype=torch.float32, device=amax.device)
+    y = y.clamp(2.0 ** -120, 2.0 ** 120)
+    bits = y.view(torch.int32)
+    exp = bits & 0x7F800000
+    return torch.where((bits & 0x007FFFFF) == 0, exp, exp + 0x00800000).view(torch.float32)
+
+
+def scale_from_amax_float(amax: float, headroom: float) -> float:
+    """Host version of :func:`scale_from_amax` (offline files)."""
+    return float(scale_from_amax(torch.tensor([amax], dtype=torch.float32), headroom)[0])
+
+
+def masked_amax(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """max |x| over the rows of x [T, ...] where valid [T]; NaN/Inf count as 0. fp32 scalar."""
+    a = x.detach().abs().float()
+    a = torch.where(torch.isfinite(a), a, torch.zeros((), device=a.device)).flatten(1).amax(1)
+    return torch.where(valid, a, torch.zeros((), device=a.device)).max()
+
+
+# ------------------------------------------------------------------ files
+def load_scales_file(path: str) -> dict[str, tuple[float, float]]:
+    """{layer_name: (k_scale, v_scale)}; keys starting with '_' are metadata."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"NVFP4KV_SCALES_FILE={path}: no such file (write one with "
+                                "python -m vllm_nvfp4kv.calibration)") from None
+    out = {}
+    for name, val in raw.items():
+        if name.startswith("_"):
+            continue
+        if not (isinstance(val, (list, tuple)) and len(val) == 2):
+            raise ValueError(f"{path}: {name}: expected [k_scale, v_scale], got {val!r}")
+        k, v = float(val[0]), float(val[1])
+        if not all(math.isfinite(s) and s > 0 for s in (k, v)):
+            raise ValueError(f"{path}: {name}: global scales must be finite and positive, "
+                             f"got {val!r}")
+        out[name] = (k, v)
+    meta = raw.get("_meta", {})
+    for opt in ("NVFP4KV_ROTATE_K", "NVFP4KV_ROTATE_V"):
+        want = meta.get(opt)
+        if want is not None and want != os.environ.get(opt, _ROTATE_DEFAULTS[opt]):
+            _log("rot" + opt, "NVFP4 KV: %s was calibrated with %s=%s but runs with %s; K/V "
+                 "magnitudes differ with and without rotation, recalibrate", path, opt, want,
+                 os.environ.get(opt, _ROTATE_DEFAULTS[opt]), level="warning")
+    return out
+
+
+_ROTATE_DEFAULTS = {"NVFP4KV_ROTATE_K": "auto", "NVFP4KV_ROTATE_V": "0"}
+_files: dict[str, dict] = {}
+
+
+def _file_scales(path: str) -> dict[str, tuple[float, float]]:
+    if path not in _files:
+        _files[path] = load_scales_file(path)
+    return _files[path]
+
+
+def _natural(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def write_scales_file(path: str, amax: dict[str, list[float]], headroom: float,
+                      meta: dict | None = None) -> dict:
+    """Scales from per-layer [amax_k, amax_v] by the rule; written as JSON and returned."""
+    out: dict = {}
+    for name in sorted(amax, key=_natural):
+        ak, av = amax[name]
+        out[name] = [scale_from_amax_float(ak, headroom) if ak > 0 else 1.0,
+                     scale_from_amax_float(av, headroom) if av > 0 else 1.0]
+    out["_meta"] = {"rule": "2**ceil(log2(headroom * amax / (6 * 448)))", "headroom": headroom,
+                    "amax": {k: amax[k] for k in sorted(amax, key=_natural)}, **(meta or {})}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1))
+    return out
+
+
+# ------------------------------------------------------------------ per-layer state
+class LayerCalibration:
+    """Where one layer's global scales come from, and (online) whether they are fixed yet."""
+
+    def __init__(self, source: str, device, online: bool, collect: bool, headroom: float):
+        self.source = source
+        self.headroom = headroom
+        self.done = not (online or collect)   # host: nothing left to do at a write
+        self.online = online
+        # device flags [k, v]: 1 once that side's scale is fixed (online)
+        self.flag = torch.zeros(2, dtype=torch.int32, device=device) if online else None
+        # device running amax [k, v] and real tokens seen (collect)
+        self.amax = torch.zeros(2, dtype=torch.float32, device=device) if collect else None
+        self.tokens = torch.zeros((), dtype=torch.int64, device=device) if collect else None
+
+
+def _host_scales(layer) -> tuple[float, float]:
+    k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
+    if k is None or v is None:  # not a vLLM Attention layer (tests): read the tensors
+        return float(layer._k_scale), float(layer._v_scale)
+    return float(k), float(v)
+
+
+def _set_scales(layer, k: float | None = None, v: float | None = None) -> None:
+    """In place (CUDA graphs hold the tensors' addresses), with vLLM's host copies."""
+    for side, s in (("k", k), ("v", v)):
+        if s is None:
+            continue
+        getattr(layer, f"_{side}_scale").fill_(s)
+        if hasattr(layer, f"_{side}_scale_float"):
+            setattr(layer, f"_{side}_scale_float", s)
+        cpu = getattr(layer, f"_{side}_scale_cpu", None)
+        if isinstance(cpu, torch.Tensor):
+            cpu.fill_(s)
+
+
+def init_layer(layer, device) -> LayerCalibration:
+    """Resolve the layer's scale source (precedence above) at its first KV write, which must
+    run eagerly: file scales are copied in here, and the checkpoint check reads the scales."""
+    cfg = settings()
+    name = getattr(layer, "layer_name", "?")
+    k, v = _host_scales(layer)
+    from_checkpoint = not (k == 1.0 and v == 1.0)
+    online = False
+    if from_checkpoint and cfg["checkpoint"] == "prefer":
+        source = "checkpoint"
+    else:
+        if from_checkpoint:  # told to ignore them: start from the seed's 1.0
+            _set_scales(layer, 1.0, 1.0)
+        scales = _file_scales(cfg["file"]) if cfg["file"] else {}
+        if name in scales:
+            _set_scales(layer, *scales[name])
+            source = "file"
+        else:
+            if cfg["file"]:
+                _log("missing" + name, "NVFP4 KV: layer %s is not in NVFP4KV_SCALES_FILE=%s; "
+                     "it uses %s", name, cfg["file"],
+                     "online calibration" if cfg["online"] else "1.0", level="warning")
+            online = cfg["online"]
+            source = "online" if online else "default"
+    _log("settings" if source != "default" or cfg["file"] or cfg["collect"] else "settings0",
+         "NVFP4 KV global scales: checkpoint scales %s, NVFP4KV_SCALES_FILE=%s, "
+         "NVFP4KV_CALIBRATE=%s (layer %s: %s)", cfg["checkpoint"], cfg["file"] or "-",
+         "online" if cfg["online"] else "collect" if cfg["collect"] else "off", name, source,
+         level="info" if source != "default" or cfg["file"] or cfg["collect"] else "debug")
+    st = LayerCalibration(source, device, online, cfg["collect"], cfg["headroom"])
+    setattr(layer, _ATTR, st)
+    return st
+
+
+def state(layer) -> LayerCalibration | None:
+    return getattr(layer, _ATTR, None)
+
+
+def prepare_write(layer, key: torch.Tensor, value: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Called right before the layer's K/V [T, H, D] (as cached: rotated where rotation is
+    on) are written at slot_mapping [T]. Fixes the scales in place (layer._k_scale /
+    _v_scale) if this is the layer's first real batch under online calibration."""
+    st = getattr(layer, _ATTR, None)
+    if st is not None and st.done:
+        return
+    capturing = key.is_cuda and torch.cuda.is_current_stream_capturing()
+    if st is None:
+        if capturing:
+            cfg = settings()
+            if cfg["online"] or cfg["file"] or cfg["collect"]:
+                raise RuntimeError(
+                    "NVFP4KV_CALIBRATE / NVFP4KV_SCALES_FILE need one eager forward before "
+                    "CUDA graph capture (vLLM normally runs warm-up batches first); set "
+                    "compilation_config={'cudagraph_num_of_warmups': 1} or enforce_eager")
+            return  # default scales: nothing to set up
+        st = init_layer(layer, key.device)
+        if st.done:
+            return
+    if slot_mapping.shape[0] == 0:
+        return
+    if capturing:  # a full CUDA graph: the guard kernel decides at each replay
+        if st.online:
+            guard_update(layer, st, key, value, slot_mapping)
+        return
+    valid = slot_mapping >= 0
+    if st.amax is not None:  # collect: device-side running max, no sync
+        torch.maximum(st.amax, torch.stack((masked_amax(key, valid), masked_amax(value, valid))),
+                      out=st.amax)
+        st.tokens += valid.sum()
+    if not st.online:
+        return
+    flag_k, flag_v, n = torch.cat((st.flag, valid.sum().reshape(1).int())).tolist()  # sync
+    if n == 0:  # dummy, profile, warm-up or padding-only batch: not data
+        if flag_k and flag_v:  # fixed by a graph replay meanwhile
+            st.done = True
+        return
+    amax = torch.stack((masked_amax(key, valid), masked_amax(value, valid)))
+    ak, av = amax.tolist()  # sync (once per side and layer)
+    new = scale_from_amax(amax, st.headroom)
+    fixed = []
+    for i, (side, a, f) in enumerate((("k", ak, flag_k), ("v", av, flag_v))):
+        if not f and a > 0:  # an all-zero side waits: zeros decode to 0 at any scale
+            _set_scales(layer, **{side: float(new[i])})
+            st.flag[i] = 1
+            fixed.append(f"{side}_scale={float(new[i]):g} (amax {a:.4g})")
+    st.done = bool(st.flag.all())
+    if fixed:
+        _log("online", "NVFP4 KV: online calibration fixed global scales from the first real "
+             "batch (%d tokens), e.g. layer %s: %s", n, getattr(layer, "layer_name", "?"),
+             ", ".join(fixed))
+        _log("online " + getattr(layer, "layer_name", "?"), "NVFP4 KV online scales %s: %s",
+             getattr(layer, "layer_name", "?"), ", ".join(fixed), level="debug")
+
+
+# ------------------------------------------------------------------ CUDA-graph guard
+@triton.jit
+def _guard_side(x_ptr, slot_ptr, T, stride_t, stride_h, H: tl.constexpr, D: tl.constexpr,
+                D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    tt = tl.arange(0, BLOCK_T)
+    dd = tl.arange(0, D_PAD)
+    acc = tl.zeros((BLOCK_T, D_PAD), dtype=tl.float32)
+    for t0 in range(0, T, BLOCK_T):
+        rows = t0 + tt
+        slot = tl.load(slot_ptr + rows, mask=rows < T, other=-1)
+        ok = (slot >= 0)[:, None] & (dd < D)[None, :]
+        for h in tl.static_range(H):
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_t + h * stride_h
+                        + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+            a = tl.abs(x)
+            acc = tl.maximum(acc, tl.where((a == a) & (a < float("inf")), a, 0.0))
+    return tl.max(tl.max(acc, axis=1), axis=0)
+
+
+@triton.jit
+def _pow2_at_least(y):
+    y = tl.minimum(tl.maximum(y, 2.0 ** -120), 2.0 ** 120)
+    bits = y.to(tl.int32, bitcast=True)
+    e = bits & 0x7F800000
+    return tl.where((bits & 0x007FFFFF) == 0, e, e + 0x00800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _guard_kernel(key_ptr, value_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, flag_ptr, T, factor,
+                  stride_kt, stride_kh, stride_vt, stride_vh, H: tl.constexpr, D: tl.constexpr,
+                  D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    fk = tl.load(flag_ptr)
+    fv = tl.load(flag_ptr + 1)
+    if fk + fv < 2:  # otherwise return at once: the cost of a replay after calibration
+        ak = _guard_side(key_ptr, slot_ptr, T, stride_kt, stride_kh, H, D, D_PAD, BLOCK_T)
+        av = _guard_side(value_ptr, slot_ptr, T, stride_vt, stride_vh, H, D, D_PAD, BLOCK_T)
+        if (fk == 0) & (ak > 0):
+            tl.store(k_scale_ptr, _pow2_at_least(ak * factor))
+            tl.store(flag_ptr, 1)
+        if (fv == 0) & (av > 0):
+            tl.store(v_scale_ptr, _pow2_at_least(av * factor))
+            tl.store(flag_ptr + 1, 1)
+
+
+def guard_update(layer, st: LayerCalibration, key: torch.Tensor, value: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """The online rule as one single-program kernel without host reads (what a CUDA graph
+    captures): calibrates the sides whose device flag is 0 from this batch's real rows."""
+    t, h, d = key.shape[0], key.shape[1], key.shape[2]
+    assert key.stride(-1) == 1 and value.stride(-1) == 1
+    factor = float(torch.tensor(st.headroom / RANGE, dtype=torch.float32))
+    _guard_kernel[(1,)](
+        key, value, slot_mapping, layer._k_scale, layer._v_scale, st.flag, t, factor,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), H=h, D=d,
+        D_PAD=1 << (d - 1).bit_length(), BLOCK_T=16, num_warps=4)
+
+
+# ------------------------------------------------------------------ offline command
+def collected(model) -> dict[str, list[float]]:
+    """For ``LLM.apply_model``: {layer_name: [amax_k, amax_v, tokens]} of collect mode."""
+    out = {}
+    for mod in model.modules():
+        st = getattr(mod, _ATTR, None)
+        if st is not None and st.amax is not None:
+            out[getattr(mod, "layer_name", "?")] = st.amax.tolist() + [int(st.tokens)]
+    return out
+
+
+def calibrate(model: str, texts: list[str], out: str, headroom: float = OFFLINE_HEADROOM,
+              max_model_len: int = 2048, **llm_kwargs) -> dict:
+    """Run texts through the model (kv_cache_dtype nvfp4, each text prefilled in one piece, so
+    attention sees exact K/V), record every layer's K/V amax, write the scales file."""
+    os.environ["NVFP4KV_CALIBRATE"] = "collect"
+    os.environ.pop("NVFP4KV_SCALES_FILE", None)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's callable
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=model, kv_cache_dtype="nvfp4", max_model_len=max_model_len,
+              max_num_batched_tokens=max_model_len, enable_prefix_caching=False,
+              enforce_eager=True, **llm_kwargs)
+    tok = llm.get_tokenizer()
+    prompts = [{"prompt_token_ids": tok(t)["input_ids"][:max_model_len - 1]} for t in texts]
+    llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    per_rank = llm.apply_model(collected)
+    amax: dict[str, list[float]] = {}
+    tokens = 0
+    for rank in per_rank:  # tensor parallel: the max over ranks
+        for name, (ak, av, n) in rank.items():
+            old = amax.get(name, [0.0, 0.0])
+            amax[name] = [max(old[0], ak), max(old[1], av)]
+            tokens = max(tokens, n)
+    if not amax:
+        raise RuntimeError("no layer recorded K/V: is the model served by the NVFP4 backend?")
+    meta = {"model": model, "texts": len(texts), "tokens": tokens,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            **{k: os.environ.get(k, d) for k, d in _ROTATE_DEFAULTS.items()}}
+    del llm
+    return write_scales_file(out, amax, headroom, meta)
+
+
+def read_texts(path: str) -> list[str]:
+    """.jsonl (a string, or an object with "text") per line, or plain text one per line."""
+    lines = [x for x in Path(path).read_text().splitlines() if x.strip()]
+    if path.endswith(".jsonl"):
+        rows = [json.loads(x) for x in lines]
+        return [r if isinstance(r, str) else r["text"] for r in rows]
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="python -m vllm_nvfp4kv.calibration",
+        description="Offline calibration of the NVFP4 KV cache's per-layer global scales: run "
+                    "texts through the model, write {layer_name: [k_scale, v_scale]} JSON for "
+                    "NVFP4KV_SCALES_FILE.")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--texts", required=True, help=".jsonl or .txt, one text per line")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--headroom", type=float, default=OFFLINE_HEADROOM)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    args = ap.parse_args(argv)
+    res = calibrate(args.model, read_texts(args.texts), args.out, args.headroom,
+                    args.max_model_len, tensor_parallel_size=args.tensor_parallel_size)
+    print(f"wrote {args.out}: {len(res) - 1} layers, {res['_meta']['tokens']} tokens")
+
+
+if __name__ == "__main__":
+    main()
