@@ -1037,7 +1037,7 @@ def test_engine_refuses_bad_head_size_and_block_size(sharp_model):
         with pytest.raises(ValueError, match=r"multiple of 16 in \[32, 512\], got 72.*"
                            r"--kv-cache-dtype fp8"):
             _tiny_llm(model=tmp, kv_cache_memory_bytes=8 << 20)
-    with pytest.raises(ValueError, match=r"block sizes .*got 8 .*--kv-cache-dtype fp8"):
+    with pytest.raises(ValueError, match=r"block size .*got 8 .*--kv-cache-dtype fp8"):
         _tiny_llm(block_size=8, kv_cache_memory_bytes=8 << 20)
     g = torch.Generator().manual_seed(2)
     prompts = [{"prompt_token_ids": torch.randint(3, 900, (m,), generator=g).tolist()}

@@ -127,8 +127,9 @@ class NvFp4AttentionBackend(AttentionBackend):
                 f"NVFP4 KV (vllm-nvfp4kv) needs compute capability >= 8.0, got "
                 f"{device_capability}",
             "block_size not supported":
-                f"NVFP4 KV supports block sizes {list(fmt.SUPPORTED_BLOCK_SIZES)}, got "
-                f"{block_size} (set --block-size 16)",
+                f"NVFP4 KV needs a block size that is a multiple of 16 (its kernels use "
+                f"{list(fmt.SUPPORTED_BLOCK_SIZES)}-token blocks), got {block_size} "
+                f"(set --block-size 16)",
             "dtype not supported": f"NVFP4 KV needs bf16/fp16 activations, got {dtype}",
         }
         return [explain.get(r, "NVFP4 KV: " + r) + way_out for r in reasons]
