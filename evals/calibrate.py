@@ -33,12 +33,9 @@ def main():
     ap.add_argument("--out", default="evals/results/scales.json")
     ap.add_argument("--study", action="store_true", help="the rule study (see above)")
     args = ap.parse_args()
-    import torch
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    on_gpu = __import__("assets").engine_env()
+    import torch
     import fidelity
     from vllm_nvfp4kv import calibration
     model = args.model or str(__import__("assets").smollm2())

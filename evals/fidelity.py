@@ -149,12 +149,9 @@ def main():
     args = ap.parse_args()
     if args.sweep:
         return sweep(args)
-    import torch
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    on_gpu = __import__("assets").engine_env()
+    import torch
     model = args.model or str(__import__("assets").smollm2())
     if args.k_mult != 1 or args.v_mult != 1:
         model = rescaled_model(model, args.k_mult, args.v_mult)

@@ -33,17 +33,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------- helpers
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def garbage(shape, gen) -> torch.Tensor:
-    """Random bytes, a quarter of them 0x7F / 0xFF (E4M3 NaN patterns)."""
-    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
-    pick = torch.rand(shape, generator=gen)
-    x[pick < 0.125] = 0x7F
-    x[(pick >= 0.125) & (pick < 0.25)] = 0xFF
-    return x
+from helpers import _gen, garbage  # noqa: E402
 
 
 def cache_pair(nb, n, h, d, device, gen, layout="plain"):

@@ -40,17 +40,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def garbage(shape, gen) -> torch.Tensor:
-    """Random bytes, a quarter of them 0x7F / 0xFF (NaN as E4M3 scales)."""
-    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
-    pick = torch.rand(shape, generator=gen)
-    x[pick < 0.125] = 0x7F
-    x[(pick >= 0.125) & (pick < 0.25)] = 0xFF
-    return x
+from helpers import _gen, garbage  # noqa: E402
 
 
 def slots_of(table_row: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
