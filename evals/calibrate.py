@@ -35,7 +35,6 @@ def main():
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     on_gpu = __import__("assets").engine_env()
-    import torch
     import fidelity
     from vllm_nvfp4kv import calibration
     model = args.model or str(__import__("assets").smollm2())

@@ -104,7 +104,6 @@ def rescaled_model(src: str, k_mult: float, v_mult: float) -> str:
     the attention output. Powers of two are exact in bf16."""
     import shutil
 
-    import torch
     from safetensors.torch import load_file, save_file
     for m in (k_mult, v_mult):
         if m <= 0 or not math.log2(m).is_integer():

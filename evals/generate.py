@@ -8,7 +8,6 @@ there is one and on the CPU otherwise. Prints the answers and the KV capacity ag
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,15 +25,8 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="nvfp4")
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
-    import torch
-    on_gpu = torch.cuda.is_available()
-    # the GGUF conversion below may initialise CUDA in this process: start vLLM's workers
-    # with spawn, not fork (a forked child cannot re-initialise CUDA)
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    if not on_gpu:  # vLLM's CPU engine, in this process; skip the inductor warm-up
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    on_gpu = __import__("assets").engine_env()  # spawn on GPU, in-process engine on CPU
     model = args.model or str(__import__("assets").smollm2())
     from vllm import LLM, SamplingParams
     kw = dict(gpu_memory_utilization=0.5) if on_gpu else dict(

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -126,16 +125,12 @@ def main():
                                               "lm_eval_tasks"))
     ap.add_argument("--out", default="evals/results/gsm8k.json")
     args = ap.parse_args()
-    import torch
-    on_gpu = torch.cuda.is_available()
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA may be initialised
-    extra = "gpu_memory_utilization=0.8"
-    if not on_gpu:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-        extra = "enforce_eager=True,kv_cache_memory_bytes=268435456,max_num_seqs=8"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     assets = __import__("assets")
+    on_gpu = assets.engine_env()
+    import torch
+    extra = "gpu_memory_utilization=0.8" if on_gpu else \
+        "enforce_eager=True,kv_cache_memory_bytes=268435456,max_num_seqs=8"
     model = str(assets.qwen_coder()) if args.model == "qwen" else \
         args.model or str(assets.smollm2())
     tasks = write_task(Path(args.tasks_dir))

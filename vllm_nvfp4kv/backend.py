@@ -25,7 +25,8 @@ from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, wri
 from vllm_nvfp4kv.kernels.rotation import rotate
 from vllm_nvfp4kv.kernels.decode import choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
-from vllm_nvfp4kv.scales import before_write, check_scales, global_scales
+from vllm_nvfp4kv.calibration import prepare_write
+from vllm_nvfp4kv.scales import check_scales, global_scales
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_dtype, workspace_views
 
 logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applies
@@ -275,7 +276,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             key = rotate(key)
         if self.rotate_v:
             value = rotate(value)
-        before_write(layer, key, value, slot_mapping)  # calibration.py: may fix k/v_scale
+        prepare_write(layer, key, value, slot_mapping)  # calibration: may fix k/v_scale first
         # once, at the first write outside graph capture (a host read of the two scalars)
         if not self._checked and not (kv_cache.is_cuda
                                       and torch.cuda.is_current_stream_capturing()):

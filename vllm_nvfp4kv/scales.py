@@ -13,19 +13,10 @@ import math
 
 import torch
 
-from .calibration import prepare_write
-
 
 def global_scales(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """(k_scale, v_scale) fp32 tensors of one element on the layer's device (no host sync)."""
     return layer._k_scale.reshape(1), layer._v_scale.reshape(1)
-
-
-def before_write(layer, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Called by the writer's caller with this step's K/V as cached (after any rotation):
-    fixes the layer's scales first if calibration says so (no-op, no sync, once fixed)."""
-    prepare_write(layer, key, value, slot_mapping)
 
 
 def check_scales(layer_name: str, k_scale: float, v_scale: float) -> None:
