@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh tests|engine|runner-v1|serve|serve-bench|serve-ws|decode|tune|e2e|qwen|gsm8k|fidelity|profile
+#   bash evals/gpu_session.sh tests|engine|real-test|runner-v1|soak|serve|serve-bench|serve-ws|decode|tune|e2e|qwen|gsm8k|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -45,6 +45,11 @@ case "${1:?stage}" in
                 | grep -E "CUSTOM|NVFP4 KV cache|engine ready|^Q:|^A:|KV cache:|Error" ;;
   serve)    timeout 280 python3 evals/serve_smoke.py --requests 64 --concurrency 16 \
                 --out "$OUT/serve_smoke_h200.json" 2>&1 | tail -25 ;;
+  soak)     timeout 580 python3 evals/soak.py --deadline-s 540 --out "$OUT/soak_h200.json" \
+                2>&1 | tail -22 ;;
+  real-test) timeout 300 python3 -P -m pytest -q -x --tb=long tests/test_e2e_real_model.py \
+                2>&1 | grep -vE "Warning|warn" | grep -E "assert|Error|error|passed|failed|^E " \
+                | head -40 ;;
   serve-bench) timeout 560 python3 evals/serve_bench.py --input-len 8192 --output-len 256 \
                 --num-prompts 64 --max-concurrency 32 --out "$OUT/serve_bench_h200.json" \
                 2>&1 | tail -8 ;;

@@ -206,9 +206,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, help="per request; default 256 (GPU) / 12 (CPU)")
     ap.add_argument("--max-num-seqs", type=int, help="default 128 (GPU) / 16 (CPU)")
     ap.add_argument("--kv-cache-memory-bytes", type=int,
-                    help="KV cache size; default: about 3 x max_model_len tokens of the model "
-                         "on CPU (forces preemption), vLLM's choice on GPU "
-                         "(--gpu-memory-utilization 0.5)")
+                    help="KV cache size; default: 3 x max_model_len tokens of the model on "
+                         "CPU, 32 x on GPU (both below what max_num_seqs requests of mixed "
+                         "lengths hold at once, so that the scheduler preempts)")
     ap.add_argument("--abort-fraction", type=float, default=0.15)
     ap.add_argument("--identical-groups", type=int, default=3)
     ap.add_argument("--identical-copies", type=int, default=3)
@@ -245,8 +245,8 @@ def main():
     head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_token = (cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", 1)
                  * 2 * (head // 2 + head // 16))
-    if args.kv_cache_memory_bytes is None and not on_gpu:
-        args.kv_cache_memory_bytes = 3 * args.max_model_len * per_token
+    if args.kv_cache_memory_bytes is None:
+        args.kv_cache_memory_bytes = gpu_cpu(32, 3) * args.max_model_len * per_token
 
     extra = ["--max-model-len", str(args.max_model_len), "--block-size", "16",
              "--max-num-seqs", str(args.max_num_seqs)]
