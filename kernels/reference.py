@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from .format import E2M1_THRESHOLDS, E2M1_VALUES, E4M3_MAX, GROUP_SIZE, PageLayout
+from .format import (E2M1_MAX, E2M1_THRESHOLDS, E2M1_VALUES, E4M3_MAX, GROUP_SIZE,
+                     PageLayout)
 
 
 # ---------------------------------------------------------------- scalar formats
@@ -172,3 +173,40 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         pos = torch.arange(s_len - (q1 - q0), s_len, device=q.device)
         out[q0:q1] = attention(q[q0:q1], k, v, sm_scale, pos, sliding_window, softcap, sinks)
     return out
+
+
+# ---------------------------------------------------------------- global scales (calibration)
+def scale_from_amax(amax: torch.Tensor, headroom: float) -> torch.Tensor:
+    """fp32 amax (> 0) -> the power of two >= headroom * amax / 2688, fp32, same device.
+    Bit arithmetic, so the Triton kernel (global_scale.py) and this function agree exactly."""
+    y = amax.float() * torch.tensor(headroom / (E2M1_MAX * E4M3_MAX), dtype=torch.float32,
+                                    device=amax.device)
+    y = y.clamp(2.0 ** -120, 2.0 ** 120)
+    bits = y.view(torch.int32)
+    exp = bits & 0x7F800000
+    return torch.where((bits & 0x007FFFFF) == 0, exp, exp + 0x00800000).view(torch.float32)
+
+
+def masked_amax(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """max |x| over the rows of x [T, ...] where valid [T]; NaN/Inf count as 0. fp32 scalar."""
+    a = x.detach().abs().float()
+    a = torch.where(torch.isfinite(a), a, torch.zeros((), device=a.device)).flatten(1).amax(1)
+    return torch.where(valid, a, torch.zeros((), device=a.device)).max()
+
+
+def calibrate_global_scales(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                            k_scale: torch.Tensor, v_scale: torch.Tensor, flag: torch.Tensor,
+                            headroom: float) -> None:
+    """In place: each side of flag [2] ([k, v]) still 0 whose amax over the first T rows of
+    key / value [>= T, H, D] with slot_mapping [T] >= 0 is > 0 gets its scale
+    (scale_from_amax) and its flag set to 1; other sides are left as they are."""
+    t = slot_mapping.shape[0]
+    if t == 0:
+        return
+    valid = slot_mapping >= 0
+    amax = torch.stack((masked_amax(key[:t], valid), masked_amax(value[:t], valid)))
+    new = scale_from_amax(amax, headroom)
+    fix = (flag == 0) & (amax > 0)
+    for i, s in enumerate((k_scale, v_scale)):
+        s.copy_(torch.where(fix[i], new[i].to(s.dtype), s))
+    flag.copy_(torch.where(fix, torch.ones_like(flag), flag))

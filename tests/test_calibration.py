@@ -1,7 +1,8 @@
 """Calibrated per-layer global scales (vllm_nvfp4kv/calibration.py): the rule, online
 calibration fixed by the first real write only (dummy/padded rows ignored, never changed
-afterwards), the CUDA-graph guard kernel against the eager path, scales files, precedence,
-and a real CPU engine whose profile/warm-up runs must not calibrate."""
+afterwards), the CUDA-graph guard kernel (kernels/global_scale.py) against its plain-torch
+reference and against the eager path, scales files, precedence, and a real CPU engine whose
+profile/warm-up runs must not calibrate."""
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import torch
 
 from vllm_nvfp4kv import calibration as cal
 from vllm_nvfp4kv.kernels import kv_cache_shape, reference
+from vllm_nvfp4kv.kernels.global_scale import calibrate_global_scales
 from vllm_nvfp4kv.kernels.rotation import rotate
 
 H, D, N = 2, 64, 16
@@ -131,6 +133,106 @@ def test_backend_writes_with_the_calibrated_scales(monkeypatch):
     want = torch.zeros_like(cache)
     reference.write_cache(want, kr, v, slots, gk, gv, True)
     assert torch.equal(cache, want)
+
+
+def _both(key, value, slots, flag, headroom=64.0, scales=(0.75, 0.75)):
+    """Run the Triton guard and its reference on copies of the same state; both results."""
+    out = []
+    for fn in (calibrate_global_scales, reference.calibrate_global_scales):
+        ks = torch.tensor(scales[0], dtype=torch.float32, device=key.device)
+        vs = torch.tensor(scales[1], dtype=torch.float32, device=key.device)
+        f = torch.tensor(flag, dtype=torch.int32, device=key.device)
+        fn(key, value, slots, ks, vs, f, headroom)
+        out.append((ks.item(), vs.item(), f.tolist()))
+    return out
+
+
+def _kv_case(t, h, d, dtype, device, seed, rows=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows or t, 3 * h, d, generator=g)  # q|k|v: K and V are strided views
+    x[:, h:2 * h] *= 5.0
+    x[:, 2 * h:] *= 0.02
+    x = x.to(device, dtype)
+    return x[:, h:2 * h], x[:, 2 * h:]
+
+
+@pytest.mark.parametrize("t,h,d,dtype", [(1, 1, 64, torch.bfloat16), (21, 2, 64, torch.bfloat16),
+                                         (33, 3, 80, torch.float16), (5, 2, 128, torch.float32)])
+@pytest.mark.parametrize("flag", [[0, 0], [1, 0], [0, 1], [1, 1]])
+def test_global_scale_kernel_matches_reference(t, h, d, dtype, flag, device):
+    """kernels/global_scale.py against reference.calibrate_global_scales, bit for bit: padded
+    rows (huge values), NaN/Inf, rows past the slots, T not a multiple of the tile, a head
+    size that is not a power of two, strided K/V views, every flag state."""
+    k, v = _kv_case(t, h, d, dtype, device, seed=t + d, rows=t + 3)  # 3 rows past T
+    k[t:], v[t:] = 1e4, 1e4  # beyond slot_mapping: never read
+    k[0, 0, d - 1] = float("nan")
+    v[t - 1, h - 1, 0] = float("-inf")
+    slots = torch.arange(t, device=device)
+    if t > 2:
+        slots[1] = -1
+        k[1], v[1] = 3e4, 3e4  # a padded row
+    (kk, vk, fk), (kr, vr, fr) = _both(k, v, slots, flag)
+    assert (kk, vk, fk) == (kr, vr, fr)
+    assert fk == [1, 1] and (kk == 0.75) == bool(flag[0]) and (vk == 0.75) == bool(flag[1])
+    if not flag[0]:  # the rule, from the real rows' finite values
+        valid = slots >= 0
+        ak = k[:t][valid].float().abs().nan_to_num(0, 0, 0).max().item()
+        assert kk == _pow2_rule(ak, 64.0)
+
+
+def test_global_scale_kernel_edge_cases(device):
+    """Sides that must wait (all padded, all zero, only NaN/Inf, no rows), amax at the ends of
+    fp32 (the clamp to [2**-120, 2**120]), exact powers of two (not rounded up)."""
+    k, v = _kv_case(9, 2, 64, torch.float32, device, seed=5)
+    slots = torch.arange(9, device=device)
+    cases = {
+        "all padded": (k, v, torch.full_like(slots, -1)),
+        "zero v": (k, torch.zeros_like(v), slots),
+        "nan/inf k": (torch.where(torch.arange(9, device=device)[:, None, None] % 2 == 0,
+                                  float("nan"), float("inf")).expand_as(k).contiguous(), v,
+                      slots),
+        "no rows": (k[:0], v[:0], slots[:0]),
+        "huge": (torch.full_like(k, 3e38), torch.full_like(v, -1e38), slots),
+        "tiny": (torch.full_like(k, 1e-44), torch.full_like(v, 1e-30), slots),
+        "exact": (torch.full_like(k, 2688.0 / 64), torch.full_like(v, 2688.0 / 64 * 2 ** -10),
+                  slots),
+    }
+    want_flags = {"all padded": [0, 0], "zero v": [1, 0], "nan/inf k": [0, 1], "no rows": [0, 0]}
+    for name, (kk, vv, ss) in cases.items():
+        got, ref = _both(kk, vv, ss, [0, 0], scales=(1.0, 1.0))
+        assert got == ref, name
+        assert got[2] == want_flags.get(name, [1, 1]), name
+    assert _both(*cases["huge"], [0, 0])[0][:2] == (2.0 ** 120, 2.0 ** 120)
+    assert _both(*cases["tiny"], [0, 0])[0][:2] == (2.0 ** -120, _pow2_rule(1e-30, 64.0))
+    assert _both(*cases["exact"], [0, 0])[0][:2] == (1.0, 2.0 ** -10)
+
+
+def test_global_scale_kernel_first_batch_then_later(device):
+    """A sequence of batches on one layer's state, kernel and reference in lockstep: a padded-
+    only batch fixes nothing, a batch with V all zero fixes K only, a later (larger) batch fixes
+    V and leaves K, later batches change nothing."""
+    k, v = _kv_case(12, 2, 64, torch.bfloat16, device, seed=7)
+    slots = torch.arange(12, device=device)
+    state = []
+    for fn in (calibrate_global_scales, reference.calibrate_global_scales):
+        state.append((torch.ones((), device=device), torch.ones((), device=device),
+                      torch.zeros(2, dtype=torch.int32, device=device), fn))
+    steps = [(k, v, torch.full_like(slots, -1), [0, 0]),
+             (k, torch.zeros_like(v), slots, [1, 0]),
+             (k * 100, v, slots, [1, 1]),
+             (k * 1e4, v * 1e4, slots, [1, 1])]
+    seen = []
+    for kk, vv, ss, want in steps:
+        got = []
+        for ks, vs, flag, fn in state:
+            fn(kk, vv, ss, ks, vs, flag, 64.0)
+            got.append((ks.item(), vs.item(), flag.tolist()))
+        assert got[0] == got[1] and got[0][2] == want
+        seen.append(got[0])
+    gk = _pow2_rule(k.float().abs().max().item(), 64.0)
+    gv = _pow2_rule(v.float().abs().max().item(), 64.0)
+    assert seen[0][:2] == (1.0, 1.0) and seen[1][:2] == (gk, 1.0)
+    assert seen[2][:2] == seen[3][:2] == (gk, gv)
 
 
 def test_guard_kernel_matches_the_eager_path(monkeypatch, device):

@@ -27,10 +27,10 @@ Online calibration and vLLM's dummy runs: the profile run happens before the KV 
 PAD_SLOT_ID), so only a batch with a slot >= 0 counts, and only its rows with slots >= 0.
 Until the layer is calibrated each eager write reads one flag back (a host sync); afterwards
 the check is a Python attribute, no sync. CUDA graphs: a full decode graph captured before
-calibration carries a one-program guard kernel that returns at once when the layer's device
-flag is set, and calibrates from the replayed batch if a graph replay is the first real write
-(a first batch of one-token prompts). Pages keep the scale they were written with; the scale
-never changes once set.
+calibration carries a one-program guard kernel (kernels/global_scale.py) that returns at once
+when the layer's device flag is set, and calibrates from the replayed batch if a graph replay
+is the first real write (a first batch of one-token prompts). Pages keep the scale they were
+written with; the scale never changes once set.
 
 ``NVFP4KV_CALIBRATE=collect`` records the running amax of every layer's K/V on the device (no
 sync) for the offline command, which reads it back with ``LLM.apply_model``.
@@ -47,10 +47,10 @@ import re
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 from .kernels.format import E2M1_MAX, E4M3_MAX
+from .kernels.global_scale import calibrate_global_scales
+from .kernels.reference import masked_amax, scale_from_amax  # the rule, in plain torch
 
 RANGE = E2M1_MAX * E4M3_MAX        # 2688: the largest |value| a block can hold at g = 1
 ONLINE_HEADROOM = 64.0
@@ -81,26 +81,9 @@ def settings() -> dict:
 
 
 # ------------------------------------------------------------------ the rule
-def scale_from_amax(amax: torch.Tensor, headroom: float) -> torch.Tensor:
-    """fp32 amax (> 0) -> the power of two >= headroom * amax / 2688, fp32, same device.
-    Bit arithmetic, so the Triton guard and this function agree exactly."""
-    y = amax.float() * torch.tensor(headroom / RANGE, dtype=torch.float32, device=amax.device)
-    y = y.clamp(2.0 ** -120, 2.0 ** 120)
-    bits = y.view(torch.int32)
-    exp = bits & 0x7F800000
-    return torch.where((bits & 0x007FFFFF) == 0, exp, exp + 0x00800000).view(torch.float32)
-
-
 def scale_from_amax_float(amax: float, headroom: float) -> float:
     """Host version of :func:`scale_from_amax` (offline files)."""
     return float(scale_from_amax(torch.tensor([amax], dtype=torch.float32), headroom)[0])
-
-
-def masked_amax(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """max |x| over the rows of x [T, ...] where valid [T]; NaN/Inf count as 0. fp32 scalar."""
-    a = x.detach().abs().float()
-    a = torch.where(torch.isfinite(a), a, torch.zeros((), device=a.device)).flatten(1).amax(1)
-    return torch.where(valid, a, torch.zeros((), device=a.device)).max()
 
 
 # ------------------------------------------------------------------ files
@@ -293,60 +276,13 @@ def prepare_write(layer, key: torch.Tensor, value: torch.Tensor,
 
 
 # ------------------------------------------------------------------ CUDA-graph guard
-@triton.jit
-def _guard_side(x_ptr, slot_ptr, T, stride_t, stride_h, H: tl.constexpr, D: tl.constexpr,
-                D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
-    tt = tl.arange(0, BLOCK_T)
-    dd = tl.arange(0, D_PAD)
-    acc = tl.zeros((BLOCK_T, D_PAD), dtype=tl.float32)
-    for t0 in range(0, T, BLOCK_T):
-        rows = t0 + tt
-        slot = tl.load(slot_ptr + rows, mask=rows < T, other=-1)
-        ok = (slot >= 0)[:, None] & (dd < D)[None, :]
-        for h in tl.static_range(H):
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_t + h * stride_h
-                        + dd[None, :], mask=ok, other=0.0).to(tl.float32)
-            a = tl.abs(x)
-            acc = tl.maximum(acc, tl.where((a == a) & (a < float("inf")), a, 0.0))
-    return tl.max(tl.max(acc, axis=1), axis=0)
-
-
-@triton.jit
-def _pow2_at_least(y):
-    y = tl.minimum(tl.maximum(y, 2.0 ** -120), 2.0 ** 120)
-    bits = y.to(tl.int32, bitcast=True)
-    e = bits & 0x7F800000
-    return tl.where((bits & 0x007FFFFF) == 0, e, e + 0x00800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _guard_kernel(key_ptr, value_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, flag_ptr, T, factor,
-                  stride_kt, stride_kh, stride_vt, stride_vh, H: tl.constexpr, D: tl.constexpr,
-                  D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
-    fk = tl.load(flag_ptr)
-    fv = tl.load(flag_ptr + 1)
-    if fk + fv < 2:  # otherwise return at once: the cost of a replay after calibration
-        ak = _guard_side(key_ptr, slot_ptr, T, stride_kt, stride_kh, H, D, D_PAD, BLOCK_T)
-        av = _guard_side(value_ptr, slot_ptr, T, stride_vt, stride_vh, H, D, D_PAD, BLOCK_T)
-        if (fk == 0) & (ak > 0):
-            tl.store(k_scale_ptr, _pow2_at_least(ak * factor))
-            tl.store(flag_ptr, 1)
-        if (fv == 0) & (av > 0):
-            tl.store(v_scale_ptr, _pow2_at_least(av * factor))
-            tl.store(flag_ptr + 1, 1)
-
-
 def guard_update(layer, st: LayerCalibration, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     """The online rule as one single-program kernel without host reads (what a CUDA graph
-    captures): calibrates the sides whose device flag is 0 from this batch's real rows."""
-    t, h, d = key.shape[0], key.shape[1], key.shape[2]
-    assert key.stride(-1) == 1 and value.stride(-1) == 1
-    factor = float(torch.tensor(st.headroom / RANGE, dtype=torch.float32))
-    _guard_kernel[(1,)](
-        key, value, slot_mapping, layer._k_scale, layer._v_scale, st.flag, t, factor,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), H=h, D=d,
-        D_PAD=1 << (d - 1).bit_length(), BLOCK_T=16, num_warps=4)
+    captures): calibrates the sides whose device flag is 0 from this batch's real rows
+    (kernels/global_scale.py)."""
+    calibrate_global_scales(key, value, slot_mapping, layer._k_scale, layer._v_scale, st.flag,
+                            st.headroom)
 
 
 # ------------------------------------------------------------------ offline command
