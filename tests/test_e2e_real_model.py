@@ -1,5 +1,8 @@
-"""A real trained model (SmolLM2-135M-Instruct, from its package) through vLLM's CPU engine
-with the NVFP4 cache: greedy answers to short, confident prompts match the BF16-cache run."""
+"""A real trained model (SmolLM2-135M-Instruct, from its package) through vLLM (CPU engine in
+CI, CUDA when there is a GPU) with the NVFP4 cache: greedy answers to short prompts match the
+BF16-cache run token for token while the model is confident. Where the BF16 run's top two
+tokens are within MARGIN nats (a near tie: on the H200 "Paris." vs "Paris," at token 7), 4-bit
+KV may pick the other one; from there the continuations are not comparable."""
 import importlib.util
 import os
 import sys
@@ -15,6 +18,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 
 PROMPTS = ["What is the capital of France?", "What is 2 + 3?", "Name the largest planet."]
+MARGIN = 1.0  # nats between BF16's top-1 and top-2 below which a flip is a near tie
 
 
 def _answers(kv_cache_dtype):
@@ -24,12 +28,24 @@ def _answers(kv_cache_dtype):
               block_size=16, seed=0, enforce_eager=True, max_num_seqs=4,
               kv_cache_memory_bytes=64 << 20)
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
-                    SamplingParams(max_tokens=10, temperature=0))
-    return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs]
+                    SamplingParams(max_tokens=10, temperature=0, logprobs=2))
+    return [o.outputs[0] for o in outs]
+
+
+def _first_divergence(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def test_smollm2_greedy_matches_bf16_cache():
-    ref_ids, ref_text = _answers("auto")
-    ids, text = _answers("nvfp4")
-    assert "Paris" in text[0]
-    assert ids == ref_ids, (text, ref_text)
+    ref = _answers("auto")
+    ours = _answers("nvfp4")
+    assert "Paris" in ours[0].text
+    for r, o in zip(ref, ours):
+        i = _first_divergence(r.token_ids, o.token_ids)
+        if i is None:
+            assert len(r.token_ids) == len(o.token_ids)
+            continue
+        top = sorted((lp.logprob for lp in r.logprobs[i].values()), reverse=True)
+        # a flip is only allowed at a near tie of the BF16 run, to its second choice
+        assert top[0] - top[1] < MARGIN and o.token_ids[i] in r.logprobs[i], \
+            (i, r.text, o.text, r.logprobs[i])
