@@ -257,6 +257,53 @@ def tune(args):
     return {"tune": rows}
 
 
+def ab(args):
+    """A/B of kernel variants at a few shapes in one process, FA3 FP8 as the yardstick:
+    K decoded through shared memory (mma_k off) or straight into the MMA layout (on), and
+    twice the default split count (more CTAs per SM)."""
+    device = torch.device("cuda")
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "heads": [args.hq, args.hkv, args.d],
+           "page": args.page, "rows": []}
+    for mma_k in (False, True):
+        p = Problem(3, 1000, args.hq, args.hkv, args.d, args.page, device)
+        cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
+        ref = reference.paged_attention(p.q, cache, p.block_table,
+                                        torch.arange(p.batch + 1, device=device), p.seq_lens,
+                                        p.scale, 1.0, 1.0)
+        for ns in (1, 4):
+            run_nvfp4(p, cache, out, mma_k=mma_k, num_splits=ns)()
+            res[f"check_max_err_mma_k{int(mma_k)}_s{ns}"] = (out.float() - ref).abs().max().item()
+    print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
+    res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
+    shapes = [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072)]
+    for batch, ctx in shapes:
+        p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
+        cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
+        base = choose_num_splits(batch, args.hkv, ctx, device)
+        row = {"batch": batch, "ctx": ctx, "splits": base}
+        variants = (("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
+                    ("mma_k_bn64", dict(mma_k=True, block_n=64)),
+                    ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))))
+        for name, kw in variants:
+            row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
+            row[f"{name}_GBps"] = batch * ctx * args.hkv * 144 / (row[f"{name}_ms"] * 1e-3) / 1e9
+        del cache
+        try:
+            k, v = p.dense_cache(torch.float8_e4m3fn)
+            row["fp8_ms"] = time_fn(fa3_fn(p, k, v, True), device)
+            del k, v
+            for name, _ in variants:
+                row[f"{name}_vs_fp8"] = row["fp8_ms"] / row[f"{name}_ms"]
+        except Exception as e:  # noqa: BLE001 (no bundle: ours only)
+            print("no FA3:", type(e).__name__, e)
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    return res
+
+
 def plot(res, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -327,6 +374,7 @@ def main():
                     help="time vLLM's int4_per_token_head only up to batch*ctx tokens (it "
                          "faulted at 262,144 on an H200, poisoning the CUDA context)")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--ab", action="store_true", help="kernel variants A/B (see ab())")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")
     args = ap.parse_args()
@@ -335,10 +383,12 @@ def main():
         return
     if args.toy:
         args.ctx, args.batch, args.hq, args.hkv = [64, 200], [1, 2], 4, 1
-    res = tune(args) if args.tune else bench(args)
+    res = tune(args) if args.tune else ab(args) if args.ab else bench(args)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
+    if args.ab:
+        return
     if not args.tune and res["rows"]:
         plot(res, args.out.replace(".json", ".png"))
     if not args.tune:

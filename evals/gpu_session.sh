@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh tests|engine|real-test|runner-v1|soak|serve|serve-bench|serve-ws|decode|tune|e2e|qwen|gsm8k|fidelity|profile
+#   bash evals/gpu_session.sh tests|engine|real-test|runner-v1|soak|serve|serve-bench|serve-ws|decode|ab|kernel-tests|profile|tune|e2e|qwen|gsm8k|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -58,6 +58,10 @@ case "${1:?stage}" in
                 --out "$OUT/serve_bench_fp8ws_h200.json" 2>&1 | tail -4 ;;
   decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 --int4-max-tokens 0 --ctx 4096 16384 32768 131072 524288 1048576 \
                 --out "$OUT/decode_h200.json" 2>&1 | quiet | tail -40 ;;
+  ab)       timeout 560 python3 evals/bench_decode.py --ab --out "$OUT/decode_ab_h200.json" \
+                2>&1 | quiet | tail -12 ;;
+  kernel-tests) timeout 300 python3 -P -m pytest -q -x tests/test_kernels.py -k "decode or codec" \
+                2>&1 | tail -3 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
                 2>&1 | grep best ;;
   e2e)      timeout 560 python3 evals/bench_e2e.py --inputs 8192 32768 \
@@ -68,8 +72,16 @@ case "${1:?stage}" in
                 --out "$OUT/gsm8k_qwen_h200.json" 2>&1 | grep -E "^\||exact_match|Error" ;;
   fidelity) timeout 560 python3 evals/fidelity.py --texts 96 --chunk 64 --dtypes auto fp8 nvfp4 \
                 --out "$OUT/fidelity_smollm2_h200.json" 2>&1 | grep "^|" ;;
-  profile)  timeout 560 ncu --kernel-name regex:_decode_kernel --launch-skip 3 --launch-count 1 \
-                --section SpeedOfLight --section Occupancy --section WarpStateStats \
-                --section InstructionStats python3 evals/profile_decode.py --skip-fa3 2>&1 \
-                | grep -vE "^==PROF==|^\s*$" | tail -60 ;;
+  profile)  st=smsp__average_warps_issue_stalled; m=""
+            for r in barrier long_scoreboard short_scoreboard wait mio_throttle lg_throttle \
+                math_pipe_throttle not_selected dispatch_stall no_instruction membar \
+                branch_resolving; do m="$m,${st}_${r}_per_issue_active.ratio"; done
+            for v in "" --no-mma-k; do echo "== profile $v"
+              timeout 250 ncu --clock-control none --kernel-name regex:_decode_kernel \
+                --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
+                --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "${m#,}" \
+                python3 evals/profile_decode.py --skip-fa3 $v > "$OUT/ncu$v.txt" 2>&1
+              grep -E "Duration|DRAM Through|Registers|Achieved Occ|stalled|Warp Cycles|Issue Slot|Bank" \
+                "$OUT/ncu$v.txt" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -30
+            done ;;
 esac

@@ -54,7 +54,8 @@ def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -
             f"top: {ops.most_common(10)}")
 
 
-def compile_sm90(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 128):
+def compile_sm90(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 128,
+                 mma_k: bool = True):
     """The decode kernel as the launcher specialises it (Llama-3-8B heads, page 16), compiled
     ahead of time for sm_90: no GPU needed."""
     import triton
@@ -67,7 +68,8 @@ def compile_sm90(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 1
                sm_scale="fp32", softcap="fp32", window="i32")
     const = dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
                  G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, NUM_SPLITS=4,
-                 USE_ASM=True, HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_SINKS=False)
+                 USE_ASM=True, HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_SINKS=False,
+                 MMA_K=mma_k and d == 128 and warps == 4 and block_n >= 64)
     aligned = {"page_stride", "stride_qt", "stride_ot", "stride_bt"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
              if v.startswith("*") or k in aligned}
@@ -87,16 +89,18 @@ def main():
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--no-mma-k", action="store_true", help="K through shared memory (the "
+                    "layout before codec.load_tile_mma)")
     args = ap.parse_args()
     if args.sass_only:
-        print(loop_mix(compile_sm90(args.block_n, args.warps, args.stages), args.block_n,
-                       args.warps))
+        print(loop_mix(compile_sm90(args.block_n, args.warps, args.stages,
+                                    mma_k=not args.no_mma_k), args.block_n, args.warps))
         return
     dev = torch.device("cuda")
     p = bd.Problem(args.batch, args.ctx, 32, 8, 128, 16, dev)
     cache = p.nvfp4_cache()
     out = torch.empty_like(p.q)
-    fns = [("nvfp4", bd.run_nvfp4(p, cache, out))]
+    fns = [("nvfp4", bd.run_nvfp4(p, cache, out, mma_k=not args.no_mma_k))]
     if not args.skip_fa3:
         for name, dt in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
             k, v = p.dense_cache(dt)

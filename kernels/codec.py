@@ -134,3 +134,61 @@ def load_page_rows(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.co
         vals = tl.join(lo, hi)
     vals = tl.reshape(vals, (R, G_PAD, 16))
     return tl.reshape(vals * s16[:, :, None], (R, G_PAD * 16))
+
+
+@triton.jit
+def e2m1_word_fp16_portable(word):
+    """e2m1_word_fp16 as a per-element formula (interpreter, any GPU): 8 fp16 tensors."""
+    return (e2m1_decode_fp16(word & 0xF), e2m1_decode_fp16((word >> 4) & 0xF),
+            e2m1_decode_fp16((word >> 8) & 0xF), e2m1_decode_fp16((word >> 12) & 0xF),
+            e2m1_decode_fp16((word >> 16) & 0xF), e2m1_decode_fp16((word >> 20) & 0xF),
+            e2m1_decode_fp16((word >> 24) & 0xF), e2m1_decode_fp16((word >> 28) & 0xF))
+
+
+@triton.jit
+def mma_col_to_d(k):
+    """Head-dim element held by column k of load_tile_mma's output (D = 128): with a row's 16
+    words split as word = 4c + j (c: the lane quarter that loads it, j: its register) and element
+    e = 4 e2 + 2 e1 + e0 of the word, column k = 64 j1 + 32 j0 + 16 e2 + 8 e1 + 4 c1 + 2 c0 + e0
+    holds d = 32 c + 8 j + e. A contraction over d may run in this order (Q permuted alike)."""
+    e = (k & 1) | (((k >> 3) & 1) << 1) | (((k >> 4) & 1) << 2)
+    return 32 * ((k >> 1) & 3) + 8 * ((k >> 5) & 3) + e
+
+
+@triton.jit
+def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
+                  N: tl.constexpr, USE_ASM: tl.constexpr):
+    """Dequantize a tile of D = 128 rows of one side of paged NVFP4 pages, already in the
+    register layout of a Hopper wgmma A operand (4 warps), so no shared-memory round trip.
+    page_off, row, tmask: [REP, 2, 4, 8] (see load_page_rows) for tile row
+    i = 64 rep + 16 w + 8 h + r given as [rep, h, w, r]: Triton's default layout of the word
+    load then puts warps on w, lanes on r and on the row's four 16-byte quarters, as the MMA
+    wants. Returns fp16 [64 REP, 128] = true values * 2**-7, rows i, columns in mma_col_to_d
+    order; the permutes and reshapes below only relabel registers."""
+    D: tl.constexpr = 128
+    G: tl.constexpr = 8
+    REP: tl.constexpr = row.shape[0]
+    side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
+    c = tl.arange(0, 4)
+    j1 = tl.arange(0, 2)
+    m5 = tmask[:, :, :, :, None, None]
+    word = (c[:, None] * 4 + tl.arange(0, 4)[None, :])[None, None, None, None, :, :]
+    words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, :, :, :, None, None]
+                    + word, mask=m5, other=0)                       # [REP, 2, 4, 8, c, j]
+    g = tl.arange(0, G)[None, None, None, None, :]   # a row's 8 scales: one 8-byte load
+    sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
+                 mask=tmask[:, :, :, :, None], other=0)
+    sc = tl.reshape(sc, (REP, 2, 4, 8, 4, 2))                       # group 2 c + j1
+    s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
+    if USE_ASM:
+        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
+    else:
+        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16_portable(words)
+    vals = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                   tl.join(tl.join(n1, n5), tl.join(n3, n7)))      # [.., c, j, e2, e1, e0]
+    vals = tl.reshape(vals, (REP, 2, 4, 8, 4, 2, 2, 2, 2, 2))        # j -> j1, j0
+    vals = vals * s16[:, :, :, :, :, :, None, None, None, None]
+    vals = tl.reshape(vals, (REP, 2, 4, 8, 2, 2, 2, 2, 2, 2, 2))     # c -> c1, c0
+    # dims: rep h w r c1 c0 j1 j0 e2 e1 e0 -> rows (rep w h r), columns (j1 j0 e2 e1 c1 c0 e0)
+    vals = tl.permute(vals, (0, 2, 1, 3, 6, 7, 8, 9, 4, 5, 10))
+    return tl.reshape(vals, (REP * 64, D))

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import ROW_FACTOR, load_page_rows
+from .codec import ROW_FACTOR, load_page_rows, load_tile_mma, mma_col_to_d
 from .format import PageLayout
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -39,7 +39,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
                    H: tl.constexpr, QPK: tl.constexpr, QG_PAD: tl.constexpr, N: tl.constexpr,
                    D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+                   HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -55,7 +55,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     heads = kvh * QPK + gq
     d = tl.arange(0, G_PAD * 16)
     qo_mask = (gq < QPK)[:, None] & (d < D)[None, :]
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qo_mask,
+    qd = mma_col_to_d(d) if MMA_K else d  # Q's head dim in the order K is decoded in
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + qd[None, :], mask=qo_mask,
                 other=0.0)
     q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
@@ -71,7 +72,16 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         blk = tl.load(block_table_ptr + b * stride_bt + tok // N, mask=tmask, other=0)
         page_off = blk.to(tl.int64) * page_stride
         row = kvh * N + tok % N
-        k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
+        if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
+            i4 = (64 * tl.arange(0, BLOCK_N // 64)[:, None, None, None]
+                  + 8 * tl.arange(0, 2)[None, :, None, None]
+                  + 16 * tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 8)[None, None, None, :])
+            tok4 = n0 + i4
+            blk4 = tl.load(block_table_ptr + b * stride_bt + tok4 // N, mask=tok4 < hi, other=0)
+            k = load_tile_mma(cache_ptr, blk4.to(tl.int64) * page_stride, kvh * N + tok4 % N, 0,
+                              tok4 < hi, H, N, USE_ASM)
+        else:
+            k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
         s = tl.trans(tl.dot(k, tl.trans(q))) * qk_scale  # K as the register (A) operand
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh via exp2
             e = tl.exp2(s * (2.0 * LOG2E / softcap))
@@ -154,14 +164,16 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      sinks: torch.Tensor | None = None, num_splits: int | None = None,
                      max_seq_len: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int = 2,
-                     use_asm: bool | None = None) -> torch.Tensor:
+                     use_asm: bool | None = None, mma_k: bool | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
     out [B, Hq, D] and returns it. sliding_window: keys in (pos - window, pos]. sinks: [Hq]
     fp32 sink logits. k_scale / v_scale: 1-element fp32 tensors or floats (global scales).
     num_splits: split-KV count (default from choose_num_splits with max_seq_len).
-    use_asm: the inline-PTX nibble decoder (default on CUDA; False: the portable formula)."""
+    use_asm: the inline-PTX nibble decoder (default on CUDA; False: the portable formula).
+    mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default
+    where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -181,6 +193,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         # interpreter); refused until that is understood
         raise ValueError(f"block_n must be 32, 64, 128 or 256, got {block_n}")
     qpk = hq // hkv
+    mma_ok = d == 128 and num_warps == 4 and block_n >= 64
     k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
     v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)
     if num_splits > 1:
@@ -198,6 +211,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm,
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
+        MMA_K=mma_ok if mma_k is None else mma_k and mma_ok,
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](
