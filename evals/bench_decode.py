@@ -259,8 +259,8 @@ def tune(args):
 
 def ab(args):
     """A/B of kernel variants at a few shapes in one process, FA3 FP8 as the yardstick:
-    K decoded through shared memory (mma_k off) or straight into the MMA layout (on), and
-    twice the default split count (more CTAs per SM)."""
+    K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
+    tiles, 8 warps, twice the default split count (more CTAs per SM)."""
     device = torch.device("cuda")
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -273,8 +273,10 @@ def ab(args):
                                         torch.arange(p.batch + 1, device=device), p.seq_lens,
                                         p.scale, 1.0, 1.0)
         for ns in (1, 4):
-            run_nvfp4(p, cache, out, mma_k=mma_k, num_splits=ns)()
-            res[f"check_max_err_mma_k{int(mma_k)}_s{ns}"] = (out.float() - ref).abs().max().item()
+            for warps in (4, 8):
+                run_nvfp4(p, cache, out, mma_k=mma_k, num_splits=ns, num_warps=warps)()
+                res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}"] = \
+                    (out.float() - ref).abs().max().item()
     print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
     res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     shapes = [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072)]
@@ -285,6 +287,7 @@ def ab(args):
         row = {"batch": batch, "ctx": ctx, "splits": base}
         variants = (("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
                     ("mma_k_bn64", dict(mma_k=True, block_n=64)),
+                    ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
                     ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))))
         for name, kw in variants:
             row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
@@ -301,6 +304,33 @@ def ab(args):
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
+    return res
+
+
+def split_sweep(args):
+    """Split-KV count (programs per SM) x tile size at a few shapes: the launch's occupancy
+    lever (Nsight Compute showed ~15% achieved occupancy at the default of ~2 programs/SM)."""
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "heads": [args.hq, args.hkv, args.d], "sms": sms,
+           "rows": []}
+    for batch, ctx in [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144),
+                       (16, 131072), (4, 8192), (32, 4096)]:
+        p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
+        cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
+        for per_sm in (2, 3, 4, 6, 8, 12):
+            ns = max(1, min(64, math.ceil(per_sm * sms / (batch * args.hkv)), ctx // 256))
+            for block_n in (64, 128):
+                ms = time_fn(run_nvfp4(p, cache, out, num_splits=ns, block_n=block_n), device)
+                row = dict(batch=batch, ctx=ctx, per_sm=per_sm, splits=ns, block_n=block_n,
+                           ms=ms, GBps=batch * ctx * args.hkv * 144 / (ms * 1e-3) / 1e9)
+                res["rows"].append(row)
+        best = min((r for r in res["rows"] if (r["batch"], r["ctx"]) == (batch, ctx)),
+                   key=lambda r: r["ms"])
+        print("best", json.dumps(best), flush=True)
+        del cache
     return res
 
 
@@ -375,6 +405,7 @@ def main():
                          "faulted at 262,144 on an H200, poisoning the CUDA context)")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--ab", action="store_true", help="kernel variants A/B (see ab())")
+    ap.add_argument("--split-sweep", action="store_true", help="see split_sweep()")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")
     args = ap.parse_args()
@@ -383,11 +414,12 @@ def main():
         return
     if args.toy:
         args.ctx, args.batch, args.hq, args.hkv = [64, 200], [1, 2], 4, 1
-    res = tune(args) if args.tune else ab(args) if args.ab else bench(args)
+    res = (tune(args) if args.tune else ab(args) if args.ab
+           else split_sweep(args) if args.split_sweep else bench(args))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-    if args.ab:
+    if args.ab or args.split_sweep:
         return
     if not args.tune and res["rows"]:
         plot(res, args.out.replace(".json", ".png"))

@@ -60,6 +60,8 @@ case "${1:?stage}" in
                 --out "$OUT/decode_h200.json" 2>&1 | quiet | tail -40 ;;
   ab)       timeout 560 python3 evals/bench_decode.py --ab --out "$OUT/decode_ab_h200.json" \
                 2>&1 | quiet | tail -12 ;;
+  splits)   timeout 560 python3 evals/bench_decode.py --split-sweep \
+                --out "$OUT/decode_splits_h200.json" 2>&1 | grep best ;;
   kernel-tests) timeout 300 python3 -P -m pytest -q -x tests/test_kernels.py -k "decode or codec" \
                 2>&1 | tail -3 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \

@@ -69,7 +69,7 @@ def compile_sm90(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 1
     const = dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
                  G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, NUM_SPLITS=4,
                  USE_ASM=True, HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_SINKS=False,
-                 MMA_K=mma_k and d == 128 and warps == 4 and block_n >= 64)
+                 MMA_K=mma_k and d == 128 and warps in (4, 8) and block_n >= 16 * warps, NW=warps)
     aligned = {"page_stride", "stride_qt", "stride_ot", "stride_bt"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
              if v.startswith("*") or k in aligned}

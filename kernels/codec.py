@@ -159,26 +159,27 @@ def mma_col_to_d(k):
 def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
                   N: tl.constexpr, USE_ASM: tl.constexpr):
     """Dequantize a tile of D = 128 rows of one side of paged NVFP4 pages, already in the
-    register layout of a Hopper wgmma A operand (4 warps), so no shared-memory round trip.
-    page_off, row, tmask: [REP, 2, 4, 8] (see load_page_rows) for tile row
-    i = 64 rep + 16 w + 8 h + r given as [rep, h, w, r]: Triton's default layout of the word
+    register layout of a Hopper wgmma A operand, so no shared-memory round trip.
+    page_off, row, tmask: [REP, 2, W, 8] (see load_page_rows; W = num_warps) for tile row
+    i = 16 W rep + 16 w + 8 h + r given as [rep, h, w, r]: Triton's default layout of the word
     load then puts warps on w, lanes on r and on the row's four 16-byte quarters, as the MMA
-    wants. Returns fp16 [64 REP, 128] = true values * 2**-7, rows i, columns in mma_col_to_d
+    wants. Returns fp16 [16 W REP, 128] = true values * 2**-7, rows i, columns in mma_col_to_d
     order; the permutes and reshapes below only relabel registers."""
     D: tl.constexpr = 128
     G: tl.constexpr = 8
     REP: tl.constexpr = row.shape[0]
+    W: tl.constexpr = row.shape[2]
     side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
     c = tl.arange(0, 4)
     j1 = tl.arange(0, 2)
     m5 = tmask[:, :, :, :, None, None]
     word = (c[:, None] * 4 + tl.arange(0, 4)[None, :])[None, None, None, None, :, :]
     words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, :, :, :, None, None]
-                    + word, mask=m5, other=0)                       # [REP, 2, 4, 8, c, j]
+                    + word, mask=m5, other=0)                       # [REP, 2, W, 8, c, j]
     g = tl.arange(0, G)[None, None, None, None, :]   # a row's 8 scales: one 8-byte load
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
                  mask=tmask[:, :, :, :, None], other=0)
-    sc = tl.reshape(sc, (REP, 2, 4, 8, 4, 2))                       # group 2 c + j1
+    sc = tl.reshape(sc, (REP, 2, W, 8, 4, 2))                       # group 2 c + j1
     s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
     if USE_ASM:
         n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
@@ -186,9 +187,9 @@ def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
         n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16_portable(words)
     vals = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
                    tl.join(tl.join(n1, n5), tl.join(n3, n7)))      # [.., c, j, e2, e1, e0]
-    vals = tl.reshape(vals, (REP, 2, 4, 8, 4, 2, 2, 2, 2, 2))        # j -> j1, j0
+    vals = tl.reshape(vals, (REP, 2, W, 8, 4, 2, 2, 2, 2, 2))        # j -> j1, j0
     vals = vals * s16[:, :, :, :, :, :, None, None, None, None]
-    vals = tl.reshape(vals, (REP, 2, 4, 8, 2, 2, 2, 2, 2, 2, 2))     # c -> c1, c0
+    vals = tl.reshape(vals, (REP, 2, W, 8, 2, 2, 2, 2, 2, 2, 2))     # c -> c1, c0
     # dims: rep h w r c1 c0 j1 j0 e2 e1 e0 -> rows (rep w h r), columns (j1 j0 e2 e1 c1 c0 e0)
     vals = tl.permute(vals, (0, 2, 1, 3, 6, 7, 8, 9, 4, 5, 10))
-    return tl.reshape(vals, (REP * 64, D))
+    return tl.reshape(vals, (REP * W * 16, D))

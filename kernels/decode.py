@@ -39,7 +39,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
                    H: tl.constexpr, QPK: tl.constexpr, QG_PAD: tl.constexpr, N: tl.constexpr,
                    D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr):
+                   HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr,
+                   NW: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -73,9 +74,10 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         page_off = blk.to(tl.int64) * page_stride
         row = kvh * N + tok % N
         if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
-            i4 = (64 * tl.arange(0, BLOCK_N // 64)[:, None, None, None]
+            i4 = (16 * NW * tl.arange(0, BLOCK_N // (16 * NW))[:, None, None, None]
                   + 8 * tl.arange(0, 2)[None, :, None, None]
-                  + 16 * tl.arange(0, 4)[None, None, :, None] + tl.arange(0, 8)[None, None, None, :])
+                  + 16 * tl.arange(0, NW)[None, None, :, None]
+                  + tl.arange(0, 8)[None, None, None, :])
             tok4 = n0 + i4
             blk4 = tl.load(block_table_ptr + b * stride_bt + tok4 // N, mask=tok4 < hi, other=0)
             k = load_tile_mma(cache_ptr, blk4.to(tl.int64) * page_stride, kvh * N + tok4 % N, 0,
@@ -152,9 +154,10 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
                       device: torch.device) -> int:
     """Split-KV count from the batch shape only (so a CUDA graph captured for a batch size
-    stays valid for any sequence length): enough programs to fill the GPU about twice, at
-    least 256 tokens per split, at most 64 splits."""
-    want = math.ceil(2 * _num_sms(device) / max(1, batch * num_kv_heads))
+    stays valid for any sequence length): about 8 programs per SM (the kernel is latency-
+    bound and 3 fit at once; evals/bench_decode.py --split-sweep on an H200), at least 256
+    tokens per split, at most 64 splits."""
+    want = math.ceil(8 * _num_sms(device) / max(1, batch * num_kv_heads))
     return max(1, min(64, want, math.ceil(max_seq_len / 256)))
 
 
@@ -193,7 +196,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         # interpreter); refused until that is understood
         raise ValueError(f"block_n must be 32, 64, 128 or 256, got {block_n}")
     qpk = hq // hkv
-    mma_ok = d == 128 and num_warps == 4 and block_n >= 64
+    mma_ok = d == 128 and num_warps in (4, 8) and block_n >= 16 * num_warps
     k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
     v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)
     if num_splits > 1:
@@ -211,7 +214,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm,
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
-        MMA_K=mma_ok if mma_k is None else mma_k and mma_ok,
+        MMA_K=mma_ok if mma_k is None else mma_k and mma_ok, NW=num_warps,
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](
