@@ -12,9 +12,10 @@ launch can be captured in a CUDA graph.
 
 Both products are written transposed (S^T = K Q^T, O^T = V^T P^T) so that the token axis is
 the MMA's M: on Hopper that makes them 64-row wgmma with the freshly decoded K as the register
-operand, and no register shuffles to build MMA fragments. Software decoding makes the kernel
-instruction-bound, so instructions per KV byte is the number to watch (evals/profile_decode.py:
-0.352 warp-instructions per byte in the loop before, 0.273 with this form and the pair decoder).
+operand. At D = 128 K is decoded straight into that operand's register layout
+(codec.load_tile_mma; Q is loaded with its head dim in the same permuted order), so it never
+goes through shared memory. Instructions per KV byte (evals/profile_decode.py: 0.271 in the
+loop) and latency hiding at 3 programs per SM bound it (README, "What bounds it").
 """
 from __future__ import annotations
 
