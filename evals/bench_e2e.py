@@ -4,6 +4,13 @@ requests of a fixed input length; decode time = time(O output tokens) - time(1 o
 Also records the backend vLLM chose and the KV capacity in tokens.
 
     python evals/bench_e2e.py --out evals/results/e2e_h200.json --inputs 8192 32768
+
+Prefill workspace, BF16 vs FP8 (`NVFP4KV_WORKSPACE_DTYPE`): with a small token budget every
+chunk after the first attends over the cached prefix through the workspace, so the prefill
+time of long prompts measures the gather + attention path of each workspace dtype:
+
+    python evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws --inputs 32768 \
+        --max-num-batched-tokens 2048 --output-tokens 2 --requests 8
 """
 from __future__ import annotations
 
@@ -19,15 +26,20 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
 
 
-def run(kv_dtype: str, inputs: list[int], n: int, out_tokens: int, gpu_util: float) -> dict:
+def run(variant: str, inputs: list[int], n: int, out_tokens: int, gpu_util: float,
+        max_batched: int | None = None) -> dict:
+    """variant: a kv_cache_dtype, or "nvfp4+fp8ws" (NVFP4 with the FP8 prefill workspace)."""
     import torch
     from vllm import LLM, SamplingParams
+    kv_dtype = variant.split("+")[0]
+    os.environ["NVFP4KV_WORKSPACE_DTYPE"] = "fp8" if variant.endswith("+fp8ws") else "auto"
     t0 = time.time()
+    extra = dict(max_num_batched_tokens=max_batched) if max_batched else {}
     llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               kv_cache_dtype=kv_dtype, max_model_len=max(inputs) + out_tokens + 16,
-              gpu_memory_utilization=gpu_util, enable_prefix_caching=False, seed=0)
+              gpu_memory_utilization=gpu_util, enable_prefix_caching=False, seed=0, **extra)
     cfg = llm.llm_engine.vllm_config.cache_config
-    row = {"kv_dtype": kv_dtype, "startup_s": round(time.time() - t0, 1),
+    row = {"kv_dtype": variant, "startup_s": round(time.time() - t0, 1),
            "kv_capacity_tokens": cfg.num_gpu_blocks * cfg.block_size, "inputs": {}}
     g = torch.Generator().manual_seed(0)
     for length in inputs:
@@ -58,30 +70,33 @@ def main():
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--output-tokens", type=int, default=257)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help="token budget per step (small: long prompts prefill in chunks)")
     args = ap.parse_args()
     import torch
     import vllm
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
            "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
-           "requests": args.requests, "output_tokens": args.output_tokens, "rows": []}
+           "requests": args.requests, "output_tokens": args.output_tokens,
+           "max_num_batched_tokens": args.max_num_batched_tokens, "rows": []}
     for dt in args.dtypes:
         try:
             res["rows"].append(run(dt, args.inputs, args.requests, args.output_tokens,
-                                   args.gpu_memory_utilization))
+                                   args.gpu_memory_utilization, args.max_num_batched_tokens))
         except Exception as e:  # noqa: BLE001 - record the failure, keep the other dtypes
             res["rows"].append({"kv_dtype": dt, "error": f"{type(e).__name__}: {e}"[:500]})
             print(dt, "failed:", e, flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
-    print(f"{'kv':>6} {'capacity':>10} " + " ".join(f"{'in' + str(i):>18}" for i in args.inputs))
+    print(f"{'kv':>12} {'capacity':>10} " + " ".join(f"{'in' + str(i):>18}" for i in args.inputs))
     for r in res["rows"]:
         if "error" in r:
-            print(f"{r['kv_dtype']:>6} error: {r['error'][:100]}")
+            print(f"{r['kv_dtype']:>12} error: {r['error'][:100]}")
             continue
         cells = [f"{c['decode_tok_per_s']:>8} tok/s {c['prefill_s']:>4.1f}s"
                  for c in (r["inputs"][i] for i in args.inputs if i in r["inputs"])]
-        print(f"{r['kv_dtype']:>6} {r['kv_capacity_tokens']:>10} " + " ".join(cells))
+        print(f"{r['kv_dtype']:>12} {r['kv_capacity_tokens']:>10} " + " ".join(cells))
 
 
 if __name__ == "__main__":

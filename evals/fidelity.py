@@ -20,6 +20,8 @@ calibration / NVFP4 + offline scales (evals/calibrate.py on GSM8K rows disjoint 
 scored ones) / FP8. --v-mult / --k-mult score a reparametrized copy of the model instead
 (V projection x m and output projection / m, or K x m and Q / m: the same function, K/V
 magnitudes m times larger), the case calibration is for.
+--variants workspace (GPU: the FP8 workspace runs FA3 in FP8): BF16 / NVFP4 with the BF16
+prefill workspace (default) / NVFP4 with the FP8 workspace (NVFP4KV_WORKSPACE_DTYPE=fp8) / FP8.
 On a CPU, FP8 KV needs vLLM's 'vec' attention kernel (block size a multiple of 32), so
 --variants uses block size 32 there for every row.
 """
@@ -137,7 +139,7 @@ def main():
     ap.add_argument("--out", default="evals/results/fidelity.json")
     ap.add_argument("--sweep", action="store_true",
                     help="NVFP4 with each accuracy option (NVFP4KV_* variables), one process each")
-    ap.add_argument("--variants", choices=["calibration"],
+    ap.add_argument("--variants", choices=sorted(VARIANTS),
                     help="rows of a study, one process each (see above)")
     ap.add_argument("--topk", type=int, default=20, help="tokens per position for the KL")
     ap.add_argument("--block-size", type=int, default=None,
@@ -205,6 +207,12 @@ VARIANTS = {  # name -> (kv dtype, environment); every calibration option explic
                                                   "NVFP4KV_SCALES_FILE": "{scales}"}),
         ("fp8 (scale 1)", "fp8", {}),
     ],
+    "workspace": [  # the chunked-prefill workspace dtype (FP8 needs FA3: GPU only)
+        ("bf16 (auto)", "auto", {}),
+        ("nvfp4 (BF16 workspace)", "nvfp4", {"NVFP4KV_WORKSPACE_DTYPE": "auto"}),
+        ("nvfp4 + FP8 workspace", "nvfp4", {"NVFP4KV_WORKSPACE_DTYPE": "fp8"}),
+        ("fp8 (scale 1)", "fp8", {}),
+    ],
 }
 
 
@@ -217,7 +225,7 @@ def variants(args, model, on_gpu):
     scales = Path(args.out).with_suffix(".scales.json")
     rows, base = [], None
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE")}
+             if k not in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE", "NVFP4KV_WORKSPACE_DTYPE")}
     for name, dtype, env in VARIANTS[args.variants]:
         if "{scales}" in env.values() and not scales.exists():
             cmd = [sys.executable, str(Path(__file__).with_name("calibrate.py")), "--model",
@@ -250,7 +258,7 @@ def variants(args, model, on_gpu):
     by = {r["kv_dtype"].split(" ")[0] + (" online" if "online" in r["kv_dtype"] else
                                           " offline" if "offline" in r["kv_dtype"] else ""): r
           for r in ok}
-    if {"nvfp4", "fp8"} <= by.keys():
+    if args.variants == "calibration" and {"nvfp4", "fp8"} <= by.keys():
         gap = by["nvfp4"]["kl"] - by["fp8"]["kl"]
         res["kl_gap_nvfp4_minus_fp8"] = gap
         for v in ("online", "offline"):
