@@ -244,13 +244,13 @@ def _kernel_oracle_write(cache_cpu, key, value, slots, k_scale, v_scale, fos=Fal
 
 
 def test_fuzz_triton_writer_and_gather(device):
-    """1,024 K and 1,024 V blocks from the fuzz generator (specials included; global scales
-    1.0 and 0.0173) through the Triton writer: the whole cache buffer (garbage around, padded
-    slots) is byte-identical to the reference writer's; 4-over-6 too (on a third of the rows),
-    except near-ties, where the kernel's pick still has no larger error than the
+    """1,024 K and 1,024 V blocks (2**20 each on a GPU) from the fuzz generator (specials
+    included; global scales 1.0 and 0.0173) through the Triton writer: the whole cache buffer
+    (garbage around, padded slots) is byte-identical to the reference writer's; 4-over-6 too
+    (on 12 rows), except near-ties, where the kernel's pick still has no larger error than the
     reference's. Then the Triton gather of every written token equals
     the reference gather bit for bit (fp32), and is finite."""
-    t, h, d, n = 32, 2, 256, 16
+    t, h, d, n = (32768 if device == "cuda" else 32), 2, 256, 16
     k_scale, v_scale = 1.0, 0.0173
     rng = np.random.default_rng(7)
     gen = _gen(7)
