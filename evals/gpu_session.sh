@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh tests|engine|real-test|runner-v1|soak|serve|serve-bench|serve-ws|ws|ws-fidelity|reliability|decode|ab|kernel-tests|profile|tune|e2e|qwen|gsm8k|fidelity|profile
+#   bash evals/gpu_session.sh tests|engine|real-test|runner-v1|soak|serve|serve-bench|serve-ws|ws|ws-fidelity|reliability|multiturn-off|multiturn-on|decode|ab|kernel-tests|profile|tune|e2e|qwen|gsm8k|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -73,6 +73,10 @@ case "${1:?stage}" in
                 --out "$OUT/workspace_h200.json" 2>&1 | grep -E "CUSTOM|tok/s|error|failed" ;;
   ws-fidelity) timeout 560 python3 evals/fidelity.py --variants workspace --texts 96 --chunk 64 \
                 --out "$OUT/fidelity_workspace_smollm2_h200.json" 2>&1 | grep -E "^\||failed" ;;
+  multiturn-off|multiturn-on) timeout 570 python3 evals/multiturn.py --dtypes fp8 nvfp4 \
+                --offload "${1#multiturn-}" --budget-s 430 \
+                --workload /tmp/multiturn_h200.workload.jsonl \
+                --out "$OUT/multiturn_h200_${1#multiturn-}.json" 2>&1 | tail -12 ;;
   e2e)      timeout 560 python3 evals/bench_e2e.py --inputs 8192 32768 \
                 --out "$OUT/e2e_h200.json" 2>&1 | grep -E "CUSTOM|NVFP4 KV cache|tok/s|error" ;;
   qwen)     ls -la "$QWEN" /tmp/qwen.part 2>/dev/null
