@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh tests|engine|real-test|runner-v1|soak|serve|serve-bench|serve-ws|ws|ws-fidelity|reliability|multiturn-off|multiturn-on|decode|ab|kernel-tests|profile|tune|e2e|qwen|gsm8k|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|kernel-tests|tune|ws|ws-fidelity|multiturn-off|multiturn-on|e2e|qwen|gsm8k|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -53,9 +53,6 @@ case "${1:?stage}" in
   serve-bench) timeout 560 python3 evals/serve_bench.py --input-len 8192 --output-len 256 \
                 --num-prompts 64 --max-concurrency 32 --out "$OUT/serve_bench_h200.json" \
                 2>&1 | tail -8 ;;
-  serve-ws) timeout 560 python3 evals/serve_bench.py --dtypes nvfp4+fp8ws --input-len 8192 \
-                --output-len 256 --num-prompts 64 --max-concurrency 32 \
-                --out "$OUT/serve_bench_fp8ws_h200.json" 2>&1 | tail -4 ;;
   decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 --int4-max-tokens 0 --ctx 4096 16384 32768 131072 524288 1048576 \
                 --out "$OUT/decode_h200.json" 2>&1 | quiet | tail -40 ;;
   ab)       timeout 560 python3 evals/bench_decode.py --ab --out "$OUT/decode_ab_h200.json" \
