@@ -67,7 +67,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from server import Server, cpu_env, serve_cmd  # noqa: E402
+from server import Server, cpu_env, serve_cmd, sse_events  # noqa: E402
 
 FIRST_TOKEN_ID = 100  # token ids are drawn from [100, vocab - 100): no special tokens
 
@@ -175,14 +175,7 @@ def stream_completion(port: int, body: dict, timeout: float) -> dict:
         if r.status != 200:
             return {"status": "error", "error": f"HTTP {r.status}: {r.read()[:300]!r}"}
         ids, ttft, usage, finish = [], None, None, None
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            ev = json.loads(data)
+        for ev in sse_events(r):
             if ev.get("usage"):
                 usage = ev["usage"]
             for ch in ev.get("choices") or []:

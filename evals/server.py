@@ -5,12 +5,25 @@ the `vllm` CLI itself needs the dist named "vllm", which vLLM's CPU build is not
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+
+def sse_events(response):
+    """The JSON events of a streamed OpenAI API response, up to [DONE]."""
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
 
 
 def serve_cmd(model: str, kv_cache_dtype: str, port: int, *extra: str) -> list[str]:

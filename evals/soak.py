@@ -44,7 +44,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import Server, cpu_env, serve_cmd  # noqa: E402
+from server import Server, cpu_env, serve_cmd, sse_events  # noqa: E402
 
 
 # ---------------------------------------------------------------- client
@@ -67,14 +67,7 @@ def completion(port: int, body: dict, abort_after: int | None = None,
                     "tokens": out["usage"]["completion_tokens"], "text": ch["text"],
                     "latency_s": round(time.time() - t0, 3)}
         chunks, text, finish, ttft, usage = 0, [], None, None, None
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            ev = json.loads(data)
+        for ev in sse_events(r):
             if ttft is None:
                 ttft = round(time.time() - t0, 3)
             if ev.get("usage"):

@@ -171,7 +171,6 @@ def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
     W: tl.constexpr = row.shape[2]
     side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
     c = tl.arange(0, 4)
-    j1 = tl.arange(0, 2)
     m5 = tmask[:, :, :, :, None, None]
     word = (c[:, None] * 4 + tl.arange(0, 4)[None, :])[None, None, None, None, :, :]
     words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, :, :, :, None, None]
