@@ -58,25 +58,10 @@ def compile_sm90(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 1
                  mma_k: bool = True):
     """The decode kernel as the launcher specialises it (Llama-3-8B heads, page 16), compiled
     ahead of time for sm_90: no GPU needed."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from vllm_nvfp4kv.kernels.decode import _decode_kernel
-    sig = dict(q_ptr="*bf16", cache_ptr="*u8", block_table_ptr="*i32", seq_lens_ptr="*i32",
-               k_scale_ptr="*fp32", v_scale_ptr="*fp32", sinks_ptr="*fp32", out_ptr="*bf16",
-               part_out_ptr="*fp32", part_lse_ptr="*fp32", stride_qt="i32", stride_qh="i32",
-               stride_ot="i32", stride_oh="i32", stride_bt="i32", page_stride="i64",
-               sm_scale="fp32", softcap="fp32", window="i32")
-    const = dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
-                 G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, NUM_SPLITS=4,
-                 USE_ASM=True, HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_SINKS=False,
-                 MMA_K=mma_k and d == 128 and warps in (4, 8) and block_n >= 16 * warps, NW=warps)
-    aligned = {"page_stride", "stride_qt", "stride_ot", "stride_bt"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
-             if v.startswith("*") or k in aligned}
-    src = triton.compiler.ASTSource(fn=_decode_kernel, constexprs=const, attrs=attrs,
-                                    signature={**sig, **{k: "constexpr" for k in const}})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+    from vllm_nvfp4kv.kernels import aot
+    fn, sig, _, _ = aot.specs()["decode"]
+    return aot.compile_kernel(fn, sig, aot.decode_constexprs(block_n, warps, qpk, d, mma_k), 90,
+                              warps, stages)
 
 
 def main():

@@ -1,0 +1,74 @@
+"""Ahead-of-time compilation of the kernels as their launchers specialise them (argument
+types, 16-byte alignment, constexprs), for any NVIDIA target with Triton's bundled ptxas: no
+GPU needed. Used by tests/test_compile.py (every kernel compiles for sm_80/89/90) and
+evals/profile_decode.py (SASS of the decode loop)."""
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+P = "*u8"
+# what the launchers' arguments are, beyond pointers, known to be multiples of 16
+DIV16 = ("page_stride", "stride_qt", "stride_ot", "stride_bt", "stride_kt", "stride_vt")
+
+
+def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
+                      mma_k: bool = True, features: bool = False) -> dict:
+    """The decode kernel's constexprs as decode_attention sets them (Llama-3-8B heads, page
+    16, 4 splits); features: softcap, sliding window and sinks on."""
+    return dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
+                G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, NUM_SPLITS=4,
+                USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
+                MMA_K=mma_k and d == 128 and warps in (4, 8) and block_n >= 16 * warps,
+                NW=warps)
+
+
+def specs() -> dict:
+    """name -> (kernel, argument types, constexprs, num_warps)."""
+    from . import cache_write, decode, gather, global_scale
+    decode_sig = dict(q_ptr="*bf16", cache_ptr=P, block_table_ptr="*i32", seq_lens_ptr="*i32",
+                      k_scale_ptr="*fp32", v_scale_ptr="*fp32", sinks_ptr="*fp32",
+                      out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                      stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32",
+                      stride_bt="i32", page_stride="i64", sm_scale="fp32", softcap="fp32",
+                      window="i32")
+    return {
+        "write": (cache_write._write_kernel,
+                  dict(key_ptr="*bf16", value_ptr="*bf16", cache_ptr=P, slot_ptr="*i64",
+                       k_scale_ptr="*fp32", v_scale_ptr="*fp32", stride_kt="i32",
+                       stride_kh="i32", stride_vt="i32", stride_vh="i32", page_stride="i64"),
+                  dict(H=8, N=16, D=128, G_PAD=8, FOUR_OVER_SIX=True), 1),
+        "gather": (gather._gather_kernel,
+                   dict(cache_ptr=P, block_table_ptr="*i32", cu_tokens_ptr="*i32",
+                        seq_starts_ptr="*i32", out_starts_ptr="*i32", k_out_ptr="*bf16",
+                        v_out_ptr="*bf16", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+                        out_div="fp32", stride_bt="i32", page_stride="i64", stride_ot="i32",
+                        stride_oh="i32"),
+                   dict(H=8, N=16, D=128, G_PAD=8, BLOCK_T=32, USE_ASM=True,
+                        HAS_OUT_STARTS=True), 4),
+        "decode": (decode._decode_kernel, decode_sig, decode_constexprs(features=True), 4),
+        "decode-smem-k-d96": (decode._decode_kernel, decode_sig,
+                              decode_constexprs(d=96, features=True), 4),
+        "decode-8warps": (decode._decode_kernel, decode_sig, decode_constexprs(warps=8), 8),
+        "reduce": (decode._reduce_kernel,
+                   dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32",
+                        out_ptr="*bf16", stride_ot="i32", stride_oh="i32"),
+                   dict(HQ=32, D=128, D_PAD=128, NUM_SPLITS=4, S_PAD=4, HAS_SINKS=True), 4),
+        "calibrate": (global_scale._calibrate_kernel,
+                      dict(key_ptr="*bf16", value_ptr="*bf16", slot_ptr="*i64",
+                           k_scale_ptr="*fp32", v_scale_ptr="*fp32", flag_ptr="*i32", T="i32",
+                           factor="fp32", stride_kt="i32", stride_kh="i32", stride_vt="i32",
+                           stride_vh="i32"),
+                      dict(H=8, D=128, D_PAD=128, BLOCK_T=16), 4),
+    }
+
+
+def compile_kernel(fn, signature: dict, constexprs: dict, arch: int, num_warps: int,
+                   num_stages: int = 2):
+    """triton.compile for cuda sm_<arch>, pointers and DIV16 arguments 16-byte aligned."""
+    sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
+             if v.startswith("*") or k in DIV16}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
