@@ -1,0 +1,90 @@
+"""Where a decode step's GPU time goes, per KV dtype: vLLM's engine in this process (dummy
+Llama-3-8B-shaped weights, 8 layers), `batch` sequences of `ctx` prompt tokens prefilled
+first, then `steps` decode steps under torch.profiler; prints the kernels that take the most
+GPU time per step, grouped by name, for each dtype. Answers "the attention kernel is x% of a
+step and what else the NVFP4 path adds" (the writer, the split-KV reduce, ...).
+
+    python evals/profile_step.py --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \\
+        --out evals/results/profile_step_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import gc
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
+
+
+def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              kv_cache_dtype=kv_dtype, max_model_len=ctx + steps + 64,
+              gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 31000, (ctx,), generator=g).tolist()}
+               for _ in range(batch)]
+
+    def sp(n):
+        return SamplingParams(max_tokens=n, min_tokens=n, temperature=0, detokenize=False,
+                              ignore_eos=True)
+    llm.generate(prompts, sp(2), use_tqdm=False)  # warm-up: compile, graphs, caches
+    # profile prefill + 1 token and prefill + 1 + steps tokens: the difference is the decode
+    kernels = {}
+    for n in (1, 1 + steps):
+        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, sp(n), use_tqdm=False)
+            torch.cuda.synchronize()
+        acc = collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                acc[e.name[:90]] += e.device_time_total if hasattr(e, "device_time_total") \
+                    else e.cuda_time_total
+        kernels[n] = acc
+    decode = collections.Counter({k: (kernels[1 + steps][k] - kernels[1].get(k, 0)) / steps
+                                  for k in kernels[1 + steps]})
+    total = sum(v for v in decode.values() if v > 0)
+    rows = [{"kernel": k, "us_per_step": round(v, 1), "share": round(v / total, 4)}
+            for k, v in decode.most_common(top)]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"kv_dtype": kv_dtype, "gpu_us_per_decode_step": round(total, 1), "top": rows}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dtypes", nargs="+", default=["fp8", "nvfp4"])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--out", default="evals/results/profile_step.json")
+    args = ap.parse_args()
+    import torch
+    import vllm
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
+           "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
+           "args": vars(args), "rows": []}
+    for dt in args.dtypes:
+        res["rows"].append(profile(dt, args.batch, args.ctx, args.steps, args.top))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    for r in res["rows"]:
+        print(f"\n{r['kv_dtype']}: {r['gpu_us_per_decode_step']:.0f} us of GPU time per decode "
+              f"step (batch {args.batch}, context {args.ctx}, 8 layers)")
+        for k in r["top"]:
+            print(f"  {k['us_per_step']:>8.1f} us {100 * k['share']:>5.1f}%  {k['kernel']}")
+
+
+if __name__ == "__main__":
+    main()
