@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|kernel-tests|tune|ws|ws-fidelity|multiturn-off|multiturn-on|step|e2e|qwen|gsm8k|mmlu|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|kernel-tests|tune|ws|ws-fidelity|multiturn-off|multiturn-on|step|capacity|e2e|qwen|gsm8k|mmlu|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -76,6 +76,9 @@ case "${1:?stage}" in
                 --out "$OUT/multiturn_h200_${1#multiturn-}.json" 2>&1 | tail -12 ;;
   step)     timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \
                 --out "$OUT/profile_step_h200.json" 2>&1 | grep -E "^  |us of GPU" ;;
+  capacity) timeout 560 python3 evals/bench_e2e.py --dtypes auto fp8 nvfp4 --inputs 1024 \
+                --requests 1 --output-tokens 2 --gpu-memory-utilization 0.9 \
+                --out "$OUT/capacity_h200.json" 2>&1 | grep -E "^ +(auto|fp8|nvfp4) " ;;
   e2e)      timeout 560 python3 evals/bench_e2e.py --inputs 8192 32768 \
                 --out "$OUT/e2e_h200.json" 2>&1 | grep -E "CUSTOM|NVFP4 KV cache|tok/s|error" ;;
   qwen)     ls -la "$QWEN" /tmp/qwen.part 2>/dev/null
