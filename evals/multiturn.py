@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import hashlib
-import http.client
 import json
 import math
 import os
@@ -67,7 +66,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from server import Server, cpu_env, serve_cmd, sse_events  # noqa: E402
+from server import Server, cpu_env, post_completion, serve_cmd, sse_events  # noqa: E402
 
 FIRST_TOKEN_ID = 100  # token ids are drawn from [100, vocab - 100): no special tokens
 
@@ -166,14 +165,12 @@ def ideal_cached(prev_prompt: int, prev_reply: int, block: int) -> int:
 # ---------------------------------------------------------------- client
 def stream_completion(port: int, body: dict, timeout: float) -> dict:
     """One streamed /v1/completions request; returns its generated token ids, usage, TTFT."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.time()
+    conn = None
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200:
-            return {"status": "error", "error": f"HTTP {r.status}: {r.read()[:300]!r}"}
+        conn, r = post_completion(port, body, timeout)
+        if conn is None:
+            return r
         ids, ttft, usage, finish = [], None, None, None
         for ev in sse_events(r):
             if ev.get("usage"):
@@ -189,7 +186,8 @@ def stream_completion(port: int, body: dict, timeout: float) -> dict:
     except Exception as e:  # noqa: BLE001 - every failure is a result here
         return {"status": "error", "error": f"{type(e).__name__}: {e}"[:300]}
     finally:
-        conn.close()
+        if conn is not None:
+            conn.close()
 
 
 def metrics(port: int) -> tuple[dict[str, float], dict[str, str]]:

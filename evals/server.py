@@ -26,6 +26,21 @@ def sse_events(response):
         yield json.loads(data)
 
 
+def post_completion(port: int, body: dict, timeout: float):
+    """POST /v1/completions on loopback: (connection, response), or (None, an error result)
+    when the server answers with another status than 200. The caller closes the connection."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        err = {"status": "error", "error": f"HTTP {r.status}: {r.read()[:300]!r}"}
+        conn.close()
+        return None, err
+    return conn, r
+
+
 def serve_cmd(model: str, kv_cache_dtype: str, port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             "--kv-cache-dtype", kv_cache_dtype, "--port", str(port), "--host", "127.0.0.1",

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import http.client
 import json
 import os
 import random
@@ -44,7 +43,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import Server, cpu_env, serve_cmd, sse_events  # noqa: E402
+from server import Server, cpu_env, post_completion, serve_cmd, sse_events  # noqa: E402
 
 
 # ---------------------------------------------------------------- client
@@ -52,14 +51,12 @@ def completion(port: int, body: dict, abort_after: int | None = None,
                timeout: float = 900) -> dict:
     """One /v1/completions request. Streamed when abort_after is not None (the connection is
     closed after that many data chunks) or body["stream"]. Returns what was seen."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.time()
+    conn = None
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body),
-                     {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200:
-            return {"status": "error", "error": f"HTTP {r.status}: {r.read()[:300]!r}"}
+        conn, r = post_completion(port, body, timeout)
+        if conn is None:
+            return r
         if not body.get("stream"):
             out = json.load(r)
             ch = out["choices"][0]
@@ -89,7 +86,8 @@ def completion(port: int, body: dict, abort_after: int | None = None,
     except Exception as e:  # noqa: BLE001 - every failure is a result here
         return {"status": "error", "error": f"{type(e).__name__}: {e}"[:300]}
     finally:
-        conn.close()
+        if conn is not None:
+            conn.close()
 
 
 def metrics(port: int) -> dict[str, float]:
