@@ -8,8 +8,9 @@ it, with C x --prompts-per-concurrency prompts (or a fixed --num-prompts). --iso
 per dtype, the concurrency its KV cache admits at this input + output length: the capacity in
 tokens read from the server's startup log (the backend's "NVFP4 KV cache (vllm-nvfp4kv): N
 tokens" line for nvfp4, vLLM's "GPU KV cache size: N tokens" otherwise), divided by
-input_len + output_len, rounded down (use lengths that are multiples of the block size, 16 on
-the GPU, for it to be exact); that point runs first on its server. --kv-cache-memory-bytes
+input_len + output_len, rounded down; exactly: in whole blocks (block size from /metrics),
+less the block vLLM reserves, over the blocks a request fills (see admitted_concurrency). That
+point runs first on its server. --kv-cache-memory-bytes
 gives every dtype the same KV byte budget, so that admitted concurrencies stay small enough
 to measure in one call. One row per (dtype, concurrency): output / total tok/s, req/s,
 median / p99 TTFT and TPOT, per-user output tok/s (1000 / median TPOT), preemptions during the
@@ -36,10 +37,10 @@ On a CPU: SmolLM2-135M-Instruct (dtypes auto nvfp4: vLLM's CPU FP8 KV cache need
         --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \
         --concurrency 2 --prompts-per-concurrency 1 --budget-s 420 \
         --out evals/results/serve_sweep_h200_128k.json
-    # CPU (SmolLM2-135M, 10 MiB of KV in blocks of 128 tokens: BF16 holds 3 blocks, NVFP4
-    # 12, so they admit 3 and 12 requests of 96 + 32 tokens), ~5 min:
+    # CPU (SmolLM2-135M, 12 MiB of KV in blocks of 128 tokens: BF16 holds 4 blocks, NVFP4
+    # 15, one reserved, so they admit 3 and 14 requests of 96 + 32 tokens), ~6 min:
     python evals/serve_bench.py --dtypes auto nvfp4 --input-len 96 --output-len 32 \\
-        --kv-cache-memory-bytes 10485760 --concurrency 1 3 --iso-capacity \\
+        --kv-cache-memory-bytes 12582912 --concurrency 1 3 --iso-capacity \\
         --out evals/results/serve_sweep_cpu.json
     # the single-concurrency run of before (one point per dtype, 64 prompts):
     python evals/serve_bench.py --input-len 8192 --output-len 256 --num-prompts 64 \\
@@ -121,9 +122,20 @@ def capacity_tokens(lines: list[str], kv_dtype: str) -> int | None:
     return vllm_line
 
 
-def admitted_concurrency(capacity: int | None, input_len: int, output_len: int) -> int | None:
-    """Requests of input_len + output_len tokens that the cache holds at once."""
-    return capacity // (input_len + output_len) if capacity else None
+def admitted_concurrency(capacity: int | None, input_len: int, output_len: int,
+                         block_size: int | None = None) -> int | None:
+    """Requests of input_len + output_len tokens that the cache holds at once: capacity //
+    (input_len + output_len); with the block size, exactly what vLLM's scheduler can run: the
+    capacity in whole blocks less the one its block pool reserves (the null block), over the
+    blocks one request fills (input + output - 1 tokens: the last sampled token's K/V is
+    never written). The CPU sweep showed the difference (blocks of 128 tokens: 11 running of
+    a 12-block cache, not 12)."""
+    if not capacity:
+        return None
+    if not block_size:
+        return capacity // (input_len + output_len)
+    per_request = -(-(input_len + output_len - 1) // block_size)
+    return max(0, capacity // block_size - 1) // per_request
 
 
 def plan_points(concurrency: list[int], admitted: int | None, iso: bool) -> list[int]:
@@ -285,15 +297,14 @@ def warmup(port: int, n_tokens: int) -> None:
         json.load(r)
 
 
-def blocks_capacity(port: int) -> int | None:
-    """num_gpu_blocks x block_size from the server's vllm:cache_config_info (a cross-check
-    of the capacity read from the log)."""
+def cache_blocks(port: int) -> tuple[int | None, int | None]:
+    """(num_gpu_blocks, block_size) from the server's vllm:cache_config_info."""
     from multiturn import metrics
     try:
         info = metrics(port)[1]
-        return int(info["num_gpu_blocks"]) * int(info["block_size"])
-    except Exception:  # noqa: BLE001 - a cross-check is a nicety
-        return None
+        return int(info["num_gpu_blocks"]), int(info["block_size"])
+    except Exception:  # noqa: BLE001 - then the plain rule, capacity // (input + output)
+        return None, None
 
 
 def preemptions(port: int) -> float | None:
@@ -467,12 +478,15 @@ def main():
                 srv["startup_s"] = s.startup_s
                 srv["startup_log"] = s.startup_lines()
                 cap = capacity_tokens(srv["startup_log"], name)
-                adm = admitted_concurrency(cap, args.input_len, args.output_len)
-                srv.update(capacity_tokens=cap, admitted_concurrency=adm,
-                           capacity_tokens_from_blocks=blocks_capacity(args.port))
-                if cap != srv["capacity_tokens_from_blocks"]:
-                    print(f"!! {name}: capacity {cap} from the log, "
-                          f"{srv['capacity_tokens_from_blocks']} from /metrics", flush=True)
+                blocks, bs = cache_blocks(args.port)
+                adm = admitted_concurrency(cap, args.input_len, args.output_len, bs)
+                srv.update(capacity_tokens=cap, admitted_concurrency=adm, block_size=bs,
+                           num_gpu_blocks=blocks,
+                           admitted_by_plain_rule=admitted_concurrency(
+                               cap, args.input_len, args.output_len))
+                if blocks and cap != blocks * bs:
+                    print(f"!! {name}: capacity {cap} from the log, {blocks} x {bs} from "
+                          f"/metrics", flush=True)
                 save()
                 t0 = time.time()
                 warmup(args.port, min(args.input_len, 16384))

@@ -35,6 +35,16 @@ def test_admitted_concurrency_rounds_down():
     assert sb.admitted_concurrency(3_226_400, 32768, 1024) == 95
     assert sb.admitted_concurrency(447, 96, 32) == 3
     assert sb.admitted_concurrency(None, 96, 32) is None
+    # whole blocks less vLLM's reserved null block, over the blocks a request fills
+    assert sb.admitted_concurrency(1536, 96, 32, 128) == 11  # 12 blocks: 11 ran on the CPU
+    assert sb.admitted_concurrency(384, 96, 32, 128) == 2
+    assert sb.admitted_concurrency(512, 96, 32, 128) == 3
+    assert sb.admitted_concurrency(128, 96, 32, 128) == 0
+    # the H200 commands: 16 GiB at 32K + 1K, 20 GiB at 129,984 + 1,024 (block 16)
+    assert sb.admitted_concurrency((16 << 30) // 65536, 32768, 1024, 16) == 7
+    assert sb.admitted_concurrency((16 << 30) // 36864 // 16 * 16, 32768, 1024, 16) == 13
+    assert sb.admitted_concurrency((20 << 30) // 65536, 129984, 1024, 16) == 2
+    assert sb.admitted_concurrency((20 << 30) // 36864 // 16 * 16, 129984, 1024, 16) == 4
 
 
 def test_default_max_model_len_is_whole_blocks():
