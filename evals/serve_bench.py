@@ -27,12 +27,12 @@ one and no Llama-3 tokenizer is available offline), its vocabulary size set to t
 On a CPU: SmolLM2-135M-Instruct (dtypes auto nvfp4: vLLM's CPU FP8 KV cache needs AMX).
 
     # H200, 32K in / 1K out, 16 GiB of KV for each dtype (FP8 admits 7, NVFP4 13); points
-    # FP8 7, 2 and NVFP4 13, 7, 2 (C=2 is what --budget-s drops first), one call (~7-8 min):
+    # FP8 7, 2 and NVFP4 13, 7, 2 (C=2 is what --budget-s drops first), one call (estimated ~7 min):
     timeout 570 python evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 32768 \
         --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \
         --concurrency 7 2 --budget-s 400 --out evals/results/serve_sweep_h200_32k.json
     # H200, 128K context (129,984 in + 1,024 out + 64 = Llama-3's 131,072), 20 GiB of KV
-    # (FP8 admits 2, NVFP4 4), one prompt per request slot, one call (~6-7 min):
+    # (FP8 admits 2, NVFP4 4), one prompt per request slot, one call (estimated ~6-7 min):
     timeout 570 python evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 129984 \
         --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \
         --concurrency 2 --prompts-per-concurrency 1 --budget-s 420 \
@@ -199,8 +199,8 @@ def combine(parts: list[dict], files: list[str]) -> dict:
            "servers": [s for p in parts for s in p.get("servers", [])],
            "rows": list(rows.values())}
     dts = list(dict.fromkeys(r["kv_dtype"] for r in res["rows"]))
-    res["ratios"] = ratios(res["rows"], "fp8" if "fp8" in dts else parts[0]["ratios"]
-                           ["baseline"])
+    res["ratios"] = ratios(res["rows"], "fp8" if "fp8" in dts else
+                           (parts[0].get("ratios") or {}).get("baseline", dts[0]))
     return res
 
 
