@@ -10,9 +10,8 @@ tokens read from the server's startup log (the backend's "NVFP4 KV cache (vllm-n
 tokens" line for nvfp4, vLLM's "GPU KV cache size: N tokens" otherwise), divided by
 input_len + output_len, rounded down; exactly: in whole blocks (block size from /metrics),
 less the block vLLM reserves, over the blocks a request fills (see admitted_concurrency). That
-point runs first on its server. --kv-cache-memory-bytes
-gives every dtype the same KV byte budget, so that admitted concurrencies stay small enough
-to measure in one call. One row per (dtype, concurrency): output / total tok/s, req/s,
+point runs first on its server. --kv-cache-memory-bytes gives every dtype the same KV byte
+budget, so that admitted concurrencies stay small enough to measure in one call. One row per (dtype, concurrency): output / total tok/s, req/s,
 median / p99 TTFT and TPOT, per-user output tok/s (1000 / median TPOT), preemptions during the
 point, capacity and admitted concurrency. The JSON holds ratios against the baseline dtype
 (fp8 when measured, else the first): at equal concurrency (iso-concurrency), and each dtype at
@@ -27,15 +26,16 @@ one and no Llama-3 tokenizer is available offline), its vocabulary size set to t
 On a CPU: SmolLM2-135M-Instruct (dtypes auto nvfp4: vLLM's CPU FP8 KV cache needs AMX).
 
     # H200, 32K in / 1K out, 16 GiB of KV for each dtype (FP8 admits 7, NVFP4 13); points
-    # FP8 7, 2 and NVFP4 13, 7, 2 (C=2 is what --budget-s drops first), one call (estimated ~7 min):
-    timeout 570 python evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 32768 \
-        --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \
+    # FP8 7, 2 and NVFP4 13, 7, 2 (C=2 is what --budget-s drops first), one call
+    # (estimated ~7 min):
+    timeout 570 python evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 32768 \\
+        --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \\
         --concurrency 7 2 --budget-s 400 --out evals/results/serve_sweep_h200_32k.json
     # H200, 128K context (129,984 in + 1,024 out + 64 = Llama-3's 131,072), 20 GiB of KV
     # (FP8 admits 2, NVFP4 4), one prompt per request slot, one call (estimated ~6-7 min):
-    timeout 570 python evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 129984 \
-        --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \
-        --concurrency 2 --prompts-per-concurrency 1 --budget-s 420 \
+    timeout 570 python evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 129984 \\
+        --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \\
+        --concurrency 2 --prompts-per-concurrency 1 --budget-s 420 \\
         --out evals/results/serve_sweep_h200_128k.json
     # CPU (SmolLM2-135M, 12 MiB of KV in blocks of 128 tokens: BF16 holds 4 blocks, NVFP4
     # 15, one reserved, so they admit 3 and 14 requests of 96 + 32 tokens), ~6 min:
