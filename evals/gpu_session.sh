@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|kernel-tests|tune|ws|ws-fidelity|multiturn-off|multiturn-on|step|capacity|e2e|qwen|gsm8k|mmlu|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|kernel-tests|tune|ws|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|gsm8k|mmlu|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -74,6 +74,13 @@ case "${1:?stage}" in
                 --offload "${1#multiturn-}" --budget-s 430 \
                 --workload /tmp/multiturn_h200.workload.jsonl \
                 --out "$OUT/multiturn_h200_${1#multiturn-}.json" 2>&1 | tail -12 ;;
+  sweep-32k) timeout 570 python3 evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 32768 \
+                --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \
+                --concurrency 7 2 --budget-s 400 --out "$OUT/serve_sweep_h200_32k.json" 2>&1 | tail -12 ;;
+  sweep-128k) timeout 570 python3 evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 129984 \
+                --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \
+                --concurrency 2 --prompts-per-concurrency 1 --budget-s 420 \
+                --out "$OUT/serve_sweep_h200_128k.json" 2>&1 | tail -12 ;;
   step)     timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \
                 --out "$OUT/profile_step_h200.json" 2>&1 | grep -E "^  |us of GPU" ;;
   capacity) timeout 560 python3 evals/bench_e2e.py --dtypes auto fp8 nvfp4 --inputs 1024 \
