@@ -24,6 +24,10 @@ def engine_env() -> bool:
     conversion). CPU: the engine runs in this process, without the inductor warm-up."""
     import torch
     on_gpu = torch.cuda.is_available()
+    # vLLM inspects a new architecture in a `python -m` subprocess, which puts the working
+    # directory first on sys.path: run from this checkout, our kernels/ would shadow Hugging
+    # Face's `kernels` package that transformers 5 imports
+    os.environ.setdefault("PYTHONSAFEPATH", "1")
     if on_gpu:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     else:

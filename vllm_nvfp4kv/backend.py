@@ -216,12 +216,19 @@ def _log_capacity(vllm_config: VllmConfig, head_size: int, ws_rows: int, kv_head
     _capacity_logged = True
     tokens = blocks * vllm_config.cache_config.block_size
     per_token = 2 * fmt.row_bytes(head_size)  # K + V bytes per token, head and layer
+    # hybrid models (sliding and full layers, e.g. Gemma 3): vLLM's allocator shares one block
+    # pool among layer groups, so blocks x block_size is not what one request can hold
+    types = getattr(vllm_config.model_config.hf_text_config, "layer_types", None) or ()
+    hybrid = len(set(types)) > 1
+    unit = "token slots" if hybrid else "tokens"
     logger.info(
-        "NVFP4 KV cache (vllm-nvfp4kv): %s tokens, %.2fx the %s tokens an FP8 cache holds in "
+        "NVFP4 KV cache (vllm-nvfp4kv): %s %s, %.2fx the %s %s an FP8 cache holds in "
         "the same memory (%.2fx BF16); %d bytes per token per KV head; dequantization "
-        "workspace %d rows x %d KV heads", f"{tokens:,}", 2 * head_size / per_token,
-        f"{tokens * per_token // (2 * head_size):,}", 4 * head_size / per_token, per_token,
-        ws_rows, kv_heads)
+        "workspace %d rows x %d KV heads%s", f"{tokens:,}", unit, 2 * head_size / per_token,
+        f"{tokens * per_token // (2 * head_size):,}", unit, 4 * head_size / per_token,
+        per_token, ws_rows, kv_heads,
+        "; hybrid model: the slots of one block pool shared by its layer groups, vLLM's "
+        "'GPU KV cache size' line gives the tokens a request can use" if hybrid else "")
 
 
 class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
