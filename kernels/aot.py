@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 from triton.backends.compiler import GPUTarget
 
+from .decode import mma_k_applies
+
 P = "*u8"
 # what the launchers' arguments are, beyond pointers, known to be multiples of 16
 DIV16 = ("page_stride", "stride_qt", "stride_ot", "stride_bt", "stride_kt", "stride_vt")
@@ -19,7 +21,7 @@ def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int =
     return dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
                 G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, NUM_SPLITS=4,
                 USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
-                MMA_K=mma_k and d == 128 and warps in (4, 8) and block_n >= 16 * warps,
+                MMA_K=mma_k and mma_k_applies(d, warps, block_n),
                 NW=warps)
 
 

@@ -145,6 +145,12 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
              mask=d < D)
 
 
+def mma_k_applies(d: int, num_warps: int, block_n: int) -> bool:
+    """Whether codec.load_tile_mma's register layout fits the launch (D = 128, a wgmma row
+    block of 16 rows per warp, 4 or 8 warps)."""
+    return d == 128 and num_warps in (4, 8) and block_n >= 16 * num_warps
+
+
 @functools.lru_cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -197,7 +203,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         # interpreter); refused until that is understood
         raise ValueError(f"block_n must be 32, 64, 128 or 256, got {block_n}")
     qpk = hq // hkv
-    mma_ok = d == 128 and num_warps in (4, 8) and block_n >= 16 * num_warps
+    mma_ok = mma_k_applies(d, num_warps, block_n)
     k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
     v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)
     if num_splits > 1:
