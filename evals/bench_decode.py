@@ -144,25 +144,27 @@ def int4_fn(p: Problem):
     return lambda: impl.forward(None, p.q, None, None, cache, md, out)
 
 
-def check(args, device):
-    """Ours vs the torch reference on a small problem before any timing."""
+def check(args, device, **kw) -> dict[int, float]:
+    """Ours (launch options kw) vs the torch reference on a small problem before any timing:
+    the max abs error for one and for four splits (asserted small)."""
     p = Problem(3, 1000 if device.type == "cuda" else 40, args.hq, args.hkv, args.d, args.page,
                 device)
     cache = p.nvfp4_cache()
     out = torch.empty_like(p.q)
+    ref = reference.paged_attention(p.q, cache, p.block_table,
+                                    torch.arange(p.batch + 1, device=device), p.seq_lens,
+                                    p.scale, 1.0, 1.0)
+    errs = {}
     for ns in (1, 4):
         decode_attention(p.q, cache, p.block_table, p.seq_lens, out, p.scale, 1.0, 1.0,
-                         num_splits=ns)
-        ref = reference.paged_attention(p.q, cache, p.block_table,
-                                        torch.arange(p.batch + 1, device=device), p.seq_lens,
-                                        p.scale, 1.0, 1.0)
-        err = (out.float() - ref).abs().max().item()
-        assert err < 2e-2 * max(1.0, ref.abs().max().item()), f"mismatch {err}"
-    return err
+                         num_splits=ns, **kw)
+        errs[ns] = (out.float() - ref).abs().max().item()
+        assert errs[ns] < 2e-2 * max(1.0, ref.abs().max().item()), f"mismatch {errs[ns]}"
+    return errs
 
 
-def bench(args):
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.toy else "cpu")
+def header(args, device) -> dict:
+    """What every results file starts with: date, device, versions, shape."""
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
            "torch": torch.__version__, "triton": triton.__version__,
@@ -172,7 +174,19 @@ def bench(args):
         res["vllm"] = vllm.__version__
     except Exception:
         pass
-    res["check_max_err"] = check(args, device)
+    return res
+
+
+def kv_gbps(name: str, batch: int, ctx: int, args, ms: float) -> float:
+    """KV bytes the decode of batch x ctx tokens reads with cache dtype `name`, per second."""
+    byts = batch * ctx * args.hkv * BYTES_PER_TOKEN_HEAD[name] * args.d / 128
+    return byts / (ms * 1e-3) / 1e9
+
+
+def bench(args):
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.toy else "cpu")
+    res = header(args, device)
+    res["check_max_err"] = max(check(args, device).values())
     copy_bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     res["copy_bandwidth_GBps"] = copy_bw / 1e9
     print(f"# {res['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
@@ -208,11 +222,9 @@ def bench(args):
                     k, v = p.dense_cache(dt)
                     row[f"{name}_ms"] = time_fn(fa3_fn(p, k, v, name == "fp8"), device)
                     del k, v
-            kv_tokens = batch * ctx * args.hkv
             for name in ("nvfp4", "int4", "fp8", "bf16"):
                 if f"{name}_ms" in row:
-                    byts = kv_tokens * BYTES_PER_TOKEN_HEAD[name] * args.d / 128
-                    row[f"{name}_GBps"] = byts / (row[f"{name}_ms"] * 1e-3) / 1e9
+                    row[f"{name}_GBps"] = kv_gbps(name, batch, ctx, args, row[f"{name}_ms"])
             if "fp8_ms" in row:
                 row["speedup_vs_fp8"] = row["fp8_ms"] / row["nvfp4_ms"]
             if "bf16_ms" in row:
@@ -247,7 +259,7 @@ def tune(args):
                         except Exception as e:  # noqa: BLE001 (out of resources etc.)
                             print("fail", block_n, warps, stages, type(e).__name__)
                             continue
-                        gbps = batch * ctx * args.hkv * 144 / (ms * 1e-3) / 1e9
+                        gbps = kv_gbps("nvfp4", batch, ctx, args, ms)
                         rows.append(dict(batch=batch, ctx=ctx, block_n=block_n, warps=warps,
                                          stages=stages, splits=ns, ms=ms, GBps=gbps))
         best = min((r for r in rows if r["batch"] == batch and r["ctx"] == ctx),
@@ -262,21 +274,11 @@ def ab(args):
     K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
     tiles, 8 warps, twice the default split count (more CTAs per SM)."""
     device = torch.device("cuda")
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "heads": [args.hq, args.hkv, args.d],
-           "page": args.page, "rows": []}
+    res = header(args, device)
     for mma_k in (False, True):
-        p = Problem(3, 1000, args.hq, args.hkv, args.d, args.page, device)
-        cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
-        ref = reference.paged_attention(p.q, cache, p.block_table,
-                                        torch.arange(p.batch + 1, device=device), p.seq_lens,
-                                        p.scale, 1.0, 1.0)
-        for ns in (1, 4):
-            for warps in (4, 8):
-                run_nvfp4(p, cache, out, mma_k=mma_k, num_splits=ns, num_warps=warps)()
-                res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}"] = \
-                    (out.float() - ref).abs().max().item()
+        for warps in (4, 8):
+            for ns, err in check(args, device, mma_k=mma_k, num_warps=warps).items():
+                res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}"] = err
     print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
     res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     shapes = [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072)]
@@ -291,7 +293,7 @@ def ab(args):
                     ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))))
         for name, kw in variants:
             row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
-            row[f"{name}_GBps"] = batch * ctx * args.hkv * 144 / (row[f"{name}_ms"] * 1e-3) / 1e9
+            row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])
         del cache
         try:
             k, v = p.dense_cache(torch.float8_e4m3fn)
@@ -312,10 +314,7 @@ def split_sweep(args):
     lever (Nsight Compute showed ~15% achieved occupancy at the default of ~2 programs/SM)."""
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "heads": [args.hq, args.hkv, args.d], "sms": sms,
-           "rows": []}
+    res = {**header(args, device), "sms": sms}
     for batch, ctx in [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144),
                        (16, 131072), (4, 8192), (32, 4096)]:
         p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
@@ -325,7 +324,7 @@ def split_sweep(args):
             for block_n in (64, 128):
                 ms = time_fn(run_nvfp4(p, cache, out, num_splits=ns, block_n=block_n), device)
                 row = dict(batch=batch, ctx=ctx, per_sm=per_sm, splits=ns, block_n=block_n,
-                           ms=ms, GBps=batch * ctx * args.hkv * 144 / (ms * 1e-3) / 1e9)
+                           ms=ms, GBps=kv_gbps("nvfp4", batch, ctx, args, ms))
                 res["rows"].append(row)
         best = min((r for r in res["rows"] if (r["batch"], r["ctx"]) == (batch, ctx)),
                    key=lambda r: r["ms"])
