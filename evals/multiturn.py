@@ -66,7 +66,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from server import Server, cpu_env, post_completion, serve_cmd, sse_events  # noqa: E402
+from server import (Server, cpu_env, post_completion, prometheus, serve_cmd,  # noqa: E402
+                    sse_events)
 
 FIRST_TOKEN_ID = 100  # token ids are drawn from [100, vocab - 100): no special tokens
 
@@ -193,18 +194,15 @@ def stream_completion(port: int, body: dict, timeout: float) -> dict:
 def metrics(port: int) -> tuple[dict[str, float], dict[str, str]]:
     """The server's vllm: counters and gauges summed over labels (a counter's _total suffix
     dropped), and the labels of vllm:cache_config_info."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
     out, cache_info = {}, {}
-    for line in text.splitlines():
-        m = re.match(r"^(vllm:[a-z_:]+)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)$", line)
-        if not m or m.group(1).endswith("_created"):
+    for name, labels, val in prometheus(port):
+        if name.endswith("_created"):
             continue
-        name = m.group(1).removesuffix("_total")
+        name = name.removesuffix("_total")
         if name == "vllm:cache_config_info":
-            cache_info = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            cache_info = dict(re.findall(r'(\w+)="([^"]*)"', labels))
             continue
-        out[name] = out.get(name, 0.0) + float(m.group(3))
+        out[name] = out.get(name, 0.0) + val
     return out, cache_info
 
 

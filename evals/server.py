@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -39,6 +40,21 @@ def post_completion(port: int, body: dict, timeout: float):
         conn.close()
         return None, err
     return conn, r
+
+
+def prometheus(port: int) -> list[tuple[str, str, float]]:
+    """The server's vllm: samples from /metrics as (name, '{labels}' or '', value)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return parse_prometheus(r.read().decode())
+
+
+def parse_prometheus(text: str) -> list[tuple[str, str, float]]:
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[a-z_:]+)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN|[+-]Inf)$", line)
+        if m:
+            out.append((m.group(1), m.group(2) or "", float(m.group(3))))
+    return out
 
 
 def serve_cmd(model: str, kv_cache_dtype: str, port: int, *extra: str) -> list[str]:

@@ -39,11 +39,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import Server, cpu_env, post_completion, serve_cmd, sse_events  # noqa: E402
+from server import (Server, cpu_env, post_completion, prometheus, serve_cmd,  # noqa: E402
+                    sse_events)
 
 
 # ---------------------------------------------------------------- client
@@ -92,14 +92,8 @@ def completion(port: int, body: dict, abort_after: int | None = None,
 
 def metrics(port: int) -> dict[str, float]:
     """Prometheus counters/gauges of the server, summed over labels (finish reasons kept)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+([-+0-9.eE]+|NaN)$", line)
-        if not m:
-            continue
-        name, labels, val = m.group(1), m.group(2) or "", float(m.group(3))
+    for name, labels, val in prometheus(port):
         reason = re.search(r'finished_reason="(\w+)"', labels)
         if reason:
             name += "[" + reason.group(1) + "]"
