@@ -1,6 +1,7 @@
 """Where a decode step's GPU time goes, per KV dtype: vLLM's engine in this process (dummy
 Llama-3-8B-shaped weights, 8 layers), `batch` sequences of `ctx` prompt tokens prefilled
-first, then `steps` decode steps under torch.profiler; prints the kernels that take the most
+first (engine stepped by hand), then `steps` pure decode steps of all of them under
+torch.profiler; prints the kernels that take the most
 GPU time per step, grouped by name, for each dtype. Answers "the attention kernel is x% of a
 step and what else the NVFP4 path adds" (the writer, the split-KV reduce, ...).
 
@@ -36,20 +37,30 @@ def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
         return SamplingParams(max_tokens=n, min_tokens=n, temperature=0, detokenize=False,
                               ignore_eos=True)
     llm.generate(prompts, sp(2), use_tqdm=False)  # warm-up: compile, graphs, caches
-    # profile prefill + 1 token and prefill + 1 + steps tokens: the difference is the decode
-    kernels = {}
-    for n in (1, 1 + steps):
-        with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
-            llm.generate(prompts, sp(n), use_tqdm=False)
+    # Step the engine by hand: prefill every request (chunked prefill mixes decodes into
+    # those steps), then profile only steps that are pure decode of all `batch` requests.
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, sp(steps + 8))
+    started = set()
+    while len(started) < batch:
+        started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+    engine.step()  # one more: the step that was in flight when the last prefill ended
+    gpu = torch.cuda.is_available()  # on a CPU this only exercises the flow (no kernels)
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA if gpu
+                                            else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+        if gpu:
             torch.cuda.synchronize()
-        acc = collections.Counter()
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                acc[e.name[:90]] += e.device_time_total if hasattr(e, "device_time_total") \
-                    else e.cuda_time_total
-        kernels[n] = acc
-    decode = collections.Counter({k: (kernels[1 + steps][k] - kernels[1].get(k, 0)) / steps
-                                  for k in kernels[1 + steps]})
+    while engine.has_unfinished_requests():
+        engine.step()
+    acc = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc[e.name[:90]] += e.device_time_total if hasattr(e, "device_time_total") \
+                else e.cuda_time_total
+    decode = collections.Counter({k: v / steps for k, v in acc.items()})
     total = sum(v for v in decode.values() if v > 0)
     rows = [{"kernel": k, "us_per_step": round(v, 1), "share": round(v / total, 4)}
             for k, v in decode.most_common(top)]

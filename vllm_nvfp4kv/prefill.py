@@ -178,9 +178,16 @@ def _put_rows(ws: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
     ws.index_copy_(0, rows, x)
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    big = torch.finfo(x.dtype).max
+    return torch.nan_to_num(x, nan=0.0, posinf=big, neginf=-big)
+
+
 def _fp8_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q in E4M3 with a per-call scale from its amax (no host sync): (q_fp8, descale)."""
-    q_div = q.abs().amax().float().clamp_min(1e-30) / 448.0
+    """Q in E4M3 with a per-call scale from its finite amax (no host sync): (q_fp8, descale).
+    The scale is shared by the round's requests: an outlier query coarsens the others'."""
+    q = _finite(q)
+    q_div = q.abs().amax().float().clamp(1e-30, torch.finfo(torch.float32).max) / 448.0
     return to_fp8(q, q_div), q_div
 
 
@@ -188,6 +195,10 @@ def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws
                 k_scale, v_scale, scale, window, softcap, sinks, fa_version) -> None:
     """Attention of the prefill query rows (per-layer; only launches)."""
     d = q.shape[-1]
+    # The step's exact K/V as the cache stores them (NaN -> 0, +-Inf -> finite): varlen FA
+    # reads K/V tiles across sequence boundaries and zeroes the masked scores, so a NaN or
+    # Inf V row of one request would turn into 0 * NaN = NaN in its neighbour's output.
+    key, value = _finite(key), _finite(value)
     fp8 = ws_k.dtype == torch.float8_e4m3fn
     if fp8:  # what the FP8 workspace values are multiplied by (gather_into)
         k_div, v_div = k_scale * FP8_DIV, v_scale * FP8_DIV
