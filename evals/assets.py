@@ -36,6 +36,27 @@ def engine_env() -> bool:
     return on_gpu
 
 
+def rows_one_process_per_dtype(script: str, dtypes: list[str], out: str) -> list[dict]:
+    """Rerun `script` (with this process's arguments) once per KV dtype and return the rows
+    of the JSON each run writes: an engine started in-process keeps its GPU memory after
+    `del llm`, so the next dtype's engine would not fit."""
+    import json
+    import subprocess
+    rows = []
+    for dt in dtypes:
+        part = Path(out).with_suffix(f".{dt.replace('+', '_')}.part.json")
+        part.unlink(missing_ok=True)
+        # argparse keeps the last of repeated options: these override the originals
+        rc = subprocess.run([sys.executable, script, *sys.argv[1:], "--dtypes", dt,
+                             "--out", str(part)]).returncode
+        if part.exists():
+            rows += json.loads(part.read_text())["rows"]
+            part.unlink()
+        else:
+            rows.append({"kv_dtype": dt, "error": f"its process exited with {rc}"})
+    return rows
+
+
 def gguf_to_hf(src_dir: str, gguf_file: str, out: Path) -> Path:
     """Dequantize a GGUF checkpoint to a bf16 HF folder (transformers + gguf + accelerate)."""
     if (out / "config.json").exists():

@@ -65,11 +65,10 @@ case "${1:?stage}" in
                 2>&1 | tail -3 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
                 2>&1 | grep best ;;
-  ws)       for dt in fp8 nvfp4 nvfp4+fp8ws; do  # one process per engine: a deleted LLM keeps its memory
-              timeout 100 python3 evals/bench_e2e.py --dtypes $dt --inputs 32768 \
-                --max-num-batched-tokens 2048 --output-tokens 2 --requests 8 \
-                --out "$OUT/workspace_h200_${dt/+/_}.json" 2>&1 | grep -E "prefill_s|rror|failed"; done ;;
-  ws-fidelity) timeout 560 python3 evals/fidelity.py --variants workspace --texts 96 --chunk 64 \
+  ws)       timeout 560 python3 evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws \
+                --inputs 32768 --max-num-batched-tokens 2048 --output-tokens 2 --requests 8 \
+                --out "$OUT/workspace_h200.json" 2>&1 | grep -E "prefill_s|rror|failed" ;;
+  ws-fidelity) timeout 560 python3 evals/fidelity.py --variants workspace --texts 48 --chunk 64 \
                 --out "$OUT/fidelity_workspace_smollm2_h200.json" 2>&1 | grep -E "^\||failed" ;;
   multiturn-off|multiturn-on) timeout 570 python3 evals/multiturn.py --dtypes fp8 nvfp4 \
                 --offload "${1#multiturn-}" --budget-s 430 \
