@@ -36,10 +36,18 @@ def engine_env() -> bool:
     return on_gpu
 
 
+def rows_per_dtype(script: str, dtypes: list[str], out: str, measure) -> list[dict]:
+    """[measure(dtype) for each dtype], but on a GPU with several dtypes one process each:
+    `script` reruns with this process's arguments and one dtype, and its JSON rows are read
+    back. An engine started in-process keeps its GPU memory after `del llm`, so the next
+    dtype's engine would not fit."""
+    import torch
+    if torch.cuda.is_available() and len(dtypes) > 1:
+        return rows_one_process_per_dtype(script, dtypes, out)
+    return [measure(dt) for dt in dtypes]
+
+
 def rows_one_process_per_dtype(script: str, dtypes: list[str], out: str) -> list[dict]:
-    """Rerun `script` (with this process's arguments) once per KV dtype and return the rows
-    of the JSON each run writes: an engine started in-process keeps its GPU memory after
-    `del llm`, so the next dtype's engine would not fit."""
     import json
     import subprocess
     rows = []

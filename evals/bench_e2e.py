@@ -84,20 +84,18 @@ def main():
            "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
            "requests": args.requests, "output_tokens": args.output_tokens,
            "max_num_batched_tokens": args.max_num_batched_tokens, "rows": []}
+
+    def measure(dt):
+        try:
+            return run(dt, args.inputs, args.requests, args.output_tokens,
+                       args.gpu_memory_utilization, args.max_num_batched_tokens)
+        except Exception as e:  # noqa: BLE001 - record the failure, keep the other dtypes
+            print(dt, "failed:", e, flush=True)
+            return {"kv_dtype": dt, "error": f"{type(e).__name__}: {e}"[:500]}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from assets import rows_per_dtype
+    res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, measure)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    if torch.cuda.is_available() and len(args.dtypes) > 1:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from assets import rows_one_process_per_dtype
-        res["rows"] = rows_one_process_per_dtype(__file__, args.dtypes, args.out)
-    else:
-        for dt in args.dtypes:
-            try:
-                res["rows"].append(run(dt, args.inputs, args.requests, args.output_tokens,
-                                       args.gpu_memory_utilization, args.max_num_batched_tokens))
-            except Exception as e:  # noqa: BLE001 - record the failure, keep the other dtypes
-                res["rows"].append({"kv_dtype": dt, "error": f"{type(e).__name__}: {e}"[:500]})
-                print(dt, "failed:", e, flush=True)
-            Path(args.out).write_text(json.dumps(res, indent=1))
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"{'kv':>12} {'capacity':>10} " + " ".join(f"{'in' + str(i):>18}" for i in args.inputs))
     for r in res["rows"]:

@@ -87,16 +87,16 @@ def main():
            "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
            "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
            "args": vars(args), "rows": []}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from assets import rows_per_dtype
+    res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: profile(
+        dt, args.batch, args.ctx, args.steps, args.top))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    if torch.cuda.is_available() and len(args.dtypes) > 1:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from assets import rows_one_process_per_dtype
-        res["rows"] = rows_one_process_per_dtype(__file__, args.dtypes, args.out)
-    else:
-        for dt in args.dtypes:
-            res["rows"].append(profile(dt, args.batch, args.ctx, args.steps, args.top))
     Path(args.out).write_text(json.dumps(res, indent=1))
     for r in res["rows"]:
+        if "error" in r:
+            print(f"\n{r['kv_dtype']}: {r['error']}")
+            continue
         print(f"\n{r['kv_dtype']}: {r['gpu_us_per_decode_step']:.0f} us of GPU time per decode "
               f"step (batch {args.batch}, context {args.ctx}, 8 layers)")
         for k in r["top"]:

@@ -36,3 +36,12 @@ def test_rows_one_process_per_dtype(tmp_path, monkeypatch):
     assert rows[2] == {"kv_dtype": "bad", "error": "its process exited with 3"}
     assert not list(tmp_path.glob("*.part.json"))     # the per-dtype files are gone
     json.dumps(rows)
+
+
+
+def test_rows_per_dtype_in_process_without_gpu(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rows = assets.rows_per_dtype("unused.py", ["fp8", "nvfp4"], "unused.json",
+                                 lambda dt: {"kv_dtype": dt})
+    assert rows == [{"kv_dtype": "fp8"}, {"kv_dtype": "nvfp4"}]
