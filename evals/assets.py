@@ -37,12 +37,11 @@ def engine_env() -> bool:
 
 
 def rows_per_dtype(script: str, dtypes: list[str], out: str, measure) -> list[dict]:
-    """[measure(dtype) for each dtype], but on a GPU with several dtypes one process each:
-    `script` reruns with this process's arguments and one dtype, and its JSON rows are read
-    back. An engine started in-process keeps its GPU memory after `del llm`, so the next
-    dtype's engine would not fit."""
-    import torch
-    if torch.cuda.is_available() and len(dtypes) > 1:
+    """[measure(dtype) for each dtype], but with several dtypes one process each: `script`
+    reruns with this process's arguments and one dtype, and its JSON rows are read back. An
+    engine started in-process keeps its GPU memory after `del llm` (the next dtype's engine
+    would not fit), and the plugin reads its options once, at import."""
+    if len(dtypes) > 1:
         return rows_one_process_per_dtype(script, dtypes, out)
     return [measure(dt) for dt in dtypes]
 

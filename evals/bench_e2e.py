@@ -11,6 +11,10 @@ time of long prompts measures the gather + attention path of each workspace dtyp
 
     python evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws --inputs 32768 \
         --max-num-batched-tokens 2048 --output-tokens 2 --requests 8
+
+What the accuracy options cost (each variant a fresh engine process; "+" joins options):
+
+    python evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+norot nvfp4+no4o6 nvfp4+norot+no4o6
 """
 from __future__ import annotations
 
@@ -27,13 +31,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
 
 
+# variant suffixes of nvfp4 -> the plugin's environment (read when the engine starts)
+OPTIONS = {"fp8ws": ("NVFP4KV_WORKSPACE_DTYPE", "fp8"),  # FP8 prefill workspace
+           "norot": ("NVFP4KV_ROTATE_K", "0"),           # no Hadamard rotation of K
+           "no4o6": ("NVFP4KV_FOUR_OVER_SIX", "0")}      # plain amax/6 block scales
+
+
 def run(variant: str, inputs: list[int], n: int, out_tokens: int, gpu_util: float,
         max_batched: int | None = None) -> dict:
-    """variant: a kv_cache_dtype, or "nvfp4+fp8ws" (NVFP4 with the FP8 prefill workspace)."""
+    """variant: a kv_cache_dtype, or nvfp4 with options: "nvfp4+norot+no4o6" (OPTIONS)."""
     import torch
     from vllm import LLM, SamplingParams
-    kv_dtype = variant.split("+")[0]
-    os.environ["NVFP4KV_WORKSPACE_DTYPE"] = "fp8" if variant.endswith("+fp8ws") else "auto"
+    kv_dtype, *opts = variant.split("+")
+    for opt in opts:
+        name, value = OPTIONS[opt]
+        os.environ[name] = value
     t0 = time.time()
     extra = dict(max_num_batched_tokens=max_batched) if max_batched else {}
     llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -80,7 +92,8 @@ def main():
     import torch
     import vllm
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "vllm": vllm.__version__,
            "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
            "requests": args.requests, "output_tokens": args.output_tokens,
            "max_num_batched_tokens": args.max_num_batched_tokens, "rows": []}

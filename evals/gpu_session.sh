@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|kernel-tests|tune|ws|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|gsm8k|mmlu|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|gsm8k|mmlu|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -68,6 +68,9 @@ case "${1:?stage}" in
   ws)       timeout 560 python3 evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws \
                 --inputs 32768 --max-num-batched-tokens 2048 --output-tokens 2 --requests 8 \
                 --out "$OUT/workspace_h200.json" 2>&1 | grep -E "prefill_s|rror|failed" ;;
+  options)  timeout 570 python3 evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+norot nvfp4+no4o6 \
+                --inputs 32768 --requests 16 --output-tokens 129 \
+                --out "$OUT/options_cost_h200.json" 2>&1 | grep -E "tok/s|rror|failed" ;;
   ws-fidelity) timeout 560 python3 evals/fidelity.py --variants workspace --texts 48 --chunk 64 \
                 --out "$OUT/fidelity_workspace_smollm2_h200.json" 2>&1 | grep -E "^\||failed" ;;
   multiturn-off|multiturn-on) timeout 570 python3 evals/multiturn.py --dtypes fp8 nvfp4 \

@@ -66,7 +66,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from server import (Server, cpu_env, post_completion, prometheus, serve_cmd,  # noqa: E402
+from server import (Server, completion_result, cpu_env, prometheus, serve_cmd,  # noqa: E402
                     sse_events)
 
 FIRST_TOKEN_ID = 100  # token ids are drawn from [100, vocab - 100): no special tokens
@@ -166,12 +166,7 @@ def ideal_cached(prev_prompt: int, prev_reply: int, block: int) -> int:
 # ---------------------------------------------------------------- client
 def stream_completion(port: int, body: dict, timeout: float) -> dict:
     """One streamed /v1/completions request; returns its generated token ids, usage, TTFT."""
-    t0 = time.time()
-    conn = None
-    try:
-        conn, r = post_completion(port, body, timeout)
-        if conn is None:
-            return r
+    def read(r, t0):
         ids, ttft, usage, finish = [], None, None, None
         for ev in sse_events(r):
             if ev.get("usage"):
@@ -184,11 +179,7 @@ def stream_completion(port: int, body: dict, timeout: float) -> dict:
                 finish = ch.get("finish_reason") or finish
         return {"status": "completed", "token_ids": ids, "usage": usage, "ttft_s": ttft,
                 "latency_s": time.time() - t0, "finish_reason": finish}
-    except Exception as e:  # noqa: BLE001 - every failure is a result here
-        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:300]}
-    finally:
-        if conn is not None:
-            conn.close()
+    return completion_result(port, body, timeout, read)
 
 
 def metrics(port: int) -> tuple[dict[str, float], dict[str, str]]:

@@ -42,6 +42,21 @@ def post_completion(port: int, body: dict, timeout: float):
     return conn, r
 
 
+def completion_result(port: int, body: dict, timeout: float, read) -> dict:
+    """POST /v1/completions and return read(response, t0): every failure (another status
+    than 200, a broken stream, a timeout) becomes an error result; the connection is closed."""
+    t0 = time.time()
+    conn = None
+    try:
+        conn, r = post_completion(port, body, timeout)
+        return r if conn is None else read(r, t0)
+    except Exception as e:  # noqa: BLE001 - every failure is a result here
+        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:300]}
+    finally:
+        if conn is not None:
+            conn.close()
+
+
 def prometheus(port: int) -> list[tuple[str, str, float]]:
     """The server's vllm: samples from /metrics as (name, '{labels}' or '', value)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:

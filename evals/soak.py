@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import (Server, cpu_env, post_completion, prometheus, serve_cmd,  # noqa: E402
+from server import (Server, completion_result, cpu_env, prometheus, serve_cmd,  # noqa: E402
                     sse_events)
 
 
@@ -51,12 +51,7 @@ def completion(port: int, body: dict, abort_after: int | None = None,
                timeout: float = 900) -> dict:
     """One /v1/completions request. Streamed when abort_after is not None (the connection is
     closed after that many data chunks) or body["stream"]. Returns what was seen."""
-    t0 = time.time()
-    conn = None
-    try:
-        conn, r = post_completion(port, body, timeout)
-        if conn is None:
-            return r
+    def read(r, t0):
         if not body.get("stream"):
             out = json.load(r)
             ch = out["choices"][0]
@@ -83,11 +78,7 @@ def completion(port: int, body: dict, abort_after: int | None = None,
                                                 "the client could abort it"}
         return {"status": "completed", "finish_reason": finish, "chunks": chunks, "tokens": usage,
                 "text": "".join(text), "ttft_s": ttft, "latency_s": round(time.time() - t0, 3)}
-    except Exception as e:  # noqa: BLE001 - every failure is a result here
-        return {"status": "error", "error": f"{type(e).__name__}: {e}"[:300]}
-    finally:
-        if conn is not None:
-            conn.close()
+    return completion_result(port, body, timeout, read)
 
 
 def metrics(port: int) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """Helpers the eval scripts share (evals/assets.py), without an engine."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,9 +40,62 @@ def test_rows_one_process_per_dtype(tmp_path, monkeypatch):
 
 
 
-def test_rows_per_dtype_in_process_without_gpu(monkeypatch):
-    import torch
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    rows = assets.rows_per_dtype("unused.py", ["fp8", "nvfp4"], "unused.json",
-                                 lambda dt: {"kv_dtype": dt})
-    assert rows == [{"kv_dtype": "fp8"}, {"kv_dtype": "nvfp4"}]
+
+def test_rows_per_dtype_one_dtype_in_process():
+    rows = assets.rows_per_dtype("unused.py", ["nvfp4"], "unused.json",
+                                 lambda dt: {"kv_dtype": dt, "pid": os.getpid()})
+    assert rows == [{"kv_dtype": "nvfp4", "pid": os.getpid()}]
+
+
+# ---------------------------------------------------------------- the serving clients
+class _FakeVllm(__import__("http.server").server.BaseHTTPRequestHandler):
+    """/v1/completions as vLLM streams it: three SSE chunks of one token each, a usage chunk,
+    [DONE]; a prompt "fail" gets HTTP 500; stream=false gets one JSON answer."""
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["prompt"] == "fail":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"boom")
+            return
+        self.send_response(200)
+        self.end_headers()
+        if not body.get("stream"):
+            self.wfile.write(json.dumps({"choices": [{"text": "abc", "finish_reason": "length"}],
+                                         "usage": {"completion_tokens": 3}}).encode())
+            return
+        for i, t in enumerate("abc"):
+            ch = {"text": t, "token_ids": [i], "finish_reason": "length" if i == 2 else None}
+            self.wfile.write(f"data: {json.dumps({'choices': [ch]})}\n\n".encode())
+        self.wfile.write(b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\n')
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_completion_clients_against_a_fake_server():
+    import threading
+    from http.server import ThreadingHTTPServer
+    import multiturn
+    import soak
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVllm)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        r = multiturn.stream_completion(port, {"prompt": "x", "stream": True}, 10)
+        assert r["status"] == "completed" and r["token_ids"] == [0, 1, 2]
+        assert r["usage"] == {"completion_tokens": 3} and r["finish_reason"] == "length"
+        r = soak.completion(port, {"prompt": "x", "stream": True})
+        assert (r["status"], r["text"], r["chunks"], r["tokens"]) == ("completed", "abc", 3, 3)
+        assert soak.completion(port, {"prompt": "x", "stream": True}, abort_after=2)["status"] \
+            == "aborted"
+        assert soak.completion(port, {"prompt": "x"})["text"] == "abc"
+        for r in (multiturn.stream_completion(port, {"prompt": "fail"}, 10),
+                  soak.completion(port, {"prompt": "fail"})):
+            assert r["status"] == "error" and "HTTP 500" in r["error"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    r = soak.completion(port, {"prompt": "x"}, timeout=2)   # nobody listens any more
+    assert r["status"] == "error" and "Connection" in r["error"]
