@@ -66,8 +66,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from server import (Server, completion_result, cpu_env, prometheus, serve_cmd,  # noqa: E402
-                    sse_events)
+from server import (Server, completion_result, cpu_env, offline_report,  # noqa: E402
+                    prometheus, report, serve_cmd, sse_events)
 
 FIRST_TOKEN_ID = 100  # token ids are drawn from [100, vocab - 100): no special tokens
 
@@ -335,6 +335,22 @@ def summarize(res: dict, m0: dict, m1: dict) -> dict:
 
 
 # ---------------------------------------------------------------- plot
+def combine(parts: list[dict], files: list[str]) -> dict:
+    """Servers and rows of several results of the same workload; a (dtype, offload) pair
+    measured by a later file replaces an earlier file's."""
+    if len({r["workload_sha256_16"] for r in parts}) != 1:
+        raise SystemExit("--combine: the results come from different workloads")
+    keep = [(r, {(x["kv_dtype"], x["offload"]) for q in parts[i + 1:] for x in q["servers"]})
+            for i, r in enumerate(parts)]
+    return {**parts[0], "combined_from": [str(f) for f in files],
+            "servers": [x for r, later in keep for x in r["servers"]
+                        if (x["kv_dtype"], x["offload"]) not in later],
+            "rows": [x for r, later in keep for x in r["rows"]
+                     if (x["kv_dtype"], x["offload"]) not in later],
+            "args": {**parts[0]["args"], "offload": sorted(
+                {o for r in parts for o in r["args"]["offload"]})}}
+
+
 def plot(res: dict, png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -450,28 +466,8 @@ def main():
     args = ap.parse_args()
     t_begin = time.time()
     out = Path(args.out)
-    png = out.with_suffix(".png")
     if args.plot_only or args.combine:
-        if args.combine:
-            parts = [json.loads(Path(f).read_text()) for f in args.combine]
-            if len({r["workload_sha256_16"] for r in parts}) != 1:
-                raise SystemExit("--combine: the results come from different workloads")
-            # a (dtype, offload) pair measured by a later file replaces an earlier file's
-            keep = [(r, {(x["kv_dtype"], x["offload"]) for q in parts[i + 1:]
-                         for x in q["servers"]}) for i, r in enumerate(parts)]
-            res = {**parts[0], "combined_from": [str(f) for f in args.combine],
-                   "servers": [x for r, later in keep for x in r["servers"]
-                               if (x["kv_dtype"], x["offload"]) not in later],
-                   "rows": [x for r, later in keep for x in r["rows"]
-                            if (x["kv_dtype"], x["offload"]) not in later],
-                   "args": {**parts[0]["args"], "offload": sorted(
-                       {o for r in parts for o in r["args"]["offload"]})}}
-            out.write_text(json.dumps(res, indent=1))
-        else:
-            res = json.loads(out.read_text())
-        plot(res, png)
-        print_table(res)
-        print(f"\n-> {out}, {png}")
+        offline_report(out, args.combine, combine, plot, print_table)
         return
 
     import torch
@@ -609,9 +605,7 @@ def main():
                                     "error": srv["error_cause"] or srv["error"][-400:]})
             save()
     save()
-    plot(res, png)
-    print_table(res)
-    print(f"\n-> {out}, {png}")
+    report(res, out, plot, print_table)
 
 
 if __name__ == "__main__":

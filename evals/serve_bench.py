@@ -66,7 +66,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from server import Server, cpu_env, serve_cmd  # noqa: E402
+from server import Server, cpu_env, offline_report, report, serve_cmd  # noqa: E402
 
 # what is kept of `vllm bench serve`'s result, per point
 KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
@@ -397,18 +397,8 @@ def main():
     args = ap.parse_args()
     t_begin = time.time()
     out = Path(args.out)
-    png = out.with_suffix(".png")
     if args.plot_only or args.combine:
-        if args.combine:
-            res = combine([json.loads(Path(f).read_text()) for f in args.combine],
-                          args.combine)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(res, indent=1))
-        else:
-            res = json.loads(out.read_text())
-        plot(res, png)
-        print_table(res)
-        print(f"\n-> {out}, {png}")
+        offline_report(out, args.combine, combine, plot, print_table)
         return
 
     import torch
@@ -517,9 +507,7 @@ def main():
             srv["error"] = f"{type(e).__name__}: {e}"[-1500:]
             res["rows"].append({"kv_dtype": name, "error": srv["error"]})
         save()
-    plot(res, png)
-    print_table(res)
-    print(f"\n-> {out}, {png}")
+    report(res, out, plot, print_table)
 
 
 if __name__ == "__main__":

@@ -141,3 +141,24 @@ class Server:
         lines = self.log_path.read_text(errors="replace").splitlines()
         lines = lines[:next((i for i, x in enumerate(lines) if "[shutdown]" in x), len(lines))]
         return [x for x in lines if "ERROR" in x or "Traceback" in x][:10]
+
+
+def report(res: dict, out: Path, plot, print_table) -> None:
+    """Plot a benchmark's results next to its JSON and print its table."""
+    png = out.with_suffix(".png")
+    plot(res, png)
+    print_table(res)
+    print(f"\n-> {out}, {png}")
+
+
+def offline_report(out: Path, combine_files: list[str] | None, combine, plot,
+                   print_table) -> None:
+    """--combine / --plot-only, no server: join several results files into `out` (a later
+    file's measurements replace an earlier's), or load `out`; then report."""
+    if combine_files:
+        res = combine([json.loads(Path(f).read_text()) for f in combine_files], combine_files)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
+    else:
+        res = json.loads(out.read_text())
+    report(res, out, plot, print_table)
