@@ -307,12 +307,13 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         n = md.num_actual_tokens
         q = query[:n].view(-1, self.num_heads, self.head_size)
         out = output[:n].view(-1, self.num_heads, self.head_size)
-        if self.rotate_k:  # the cache holds rotated keys; rotating q keeps q.k unchanged
-            q = rotate(q)
         k_scale, v_scale = global_scales(layer)
         nd = md.num_decode_tokens
-        if md.num_decodes:
-            self._decode(q[:nd], kv_cache, md, out[:nd], k_scale, v_scale)
+        if md.num_decodes:  # the cache holds rotated keys: rotating q keeps q.k unchanged
+            self._decode(rotate(q[:nd]) if self.rotate_k else q[:nd], kv_cache, md, out[:nd],
+                         k_scale, v_scale)
+            if self.rotate_v:  # attention over rotated V gives the output rotated: H is its
+                out[:nd] = rotate(out[:nd])  # own inverse
         if md.num_prefills:
             ws_dtype = workspace_dtype(query.dtype)
             if self.fa_version is None and q.is_cuda:
@@ -327,15 +328,9 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                                          ws_dtype, query.device)
             key = key[:n].view(-1, self.num_kv_heads, self.head_size)
             value = value[:n].view(-1, self.num_kv_heads, self.head_size)
-            if self.rotate_k:  # the chunk's own K joins rotated cached keys
-                key = rotate(key)
-            if self.rotate_v:
-                value = rotate(value)
             run_prefill(md.prefill, q, key, value, out, kv_cache, md.block_table, ws_k, ws_v,
                         k_scale, v_scale, self.scale, self.window, self.softcap, self.sinks,
-                        self.fa_version)
-        if self.rotate_v:  # attention over rotated V gives the output rotated: H is its inverse
-            out.copy_(rotate(out))
+                        self.fa_version, self.rotate_k, self.rotate_v)
         return output
 
     def _decode(self, q, kv_cache, md, out, k_scale, v_scale):
