@@ -44,10 +44,15 @@ def copy_bandwidth(device) -> float:
     return 2 * (4 << 30) / (ms * 1e-3)
 
 
+ONCE = False  # --once: every timed function runs once, no timing (compute-sanitizer runs)
+
+
 def time_fn(fn, device) -> float:
-    if device.type != "cuda":
+    if device.type != "cuda" or ONCE:
         t = time.perf_counter()
         fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return (time.perf_counter() - t) * 1e3
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
@@ -407,7 +412,11 @@ def main():
     ap.add_argument("--split-sweep", action="store_true", help="see split_sweep()")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")
+    ap.add_argument("--once", action="store_true",
+                    help="run each timed function once, untimed (under compute-sanitizer)")
     args = ap.parse_args()
+    global ONCE
+    ONCE = args.once
     if args.table:
         print_markdown(json.load(open(args.table)))
         return

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|gsm8k|mmlu|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|gsm8k|mmlu|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -61,6 +61,9 @@ case "${1:?stage}" in
                 --out "$OUT/decode_splits_h200.json" 2>&1 | grep best ;;
   reliability) timeout 500 python3 -P -m pytest -q -rs tests/test_reliability.py -k "fuzz_triton \
                 or leak or padded or past_sequence or round_trip" 2>&1 | tail -4 ;;
+  sanitize) timeout 570 compute-sanitizer --tool memcheck --print-limit 10 python3 \
+                evals/bench_decode.py --ab --once --out "$OUT/decode_ab_sanitize.json" 2>&1 \
+                | grep -E "=====|Invalid|out of bounds|ERROR SUMMARY|Error" | head -40 ;;
   kernel-tests) timeout 300 python3 -P -m pytest -q -x tests/test_kernels.py -k "decode or codec" \
                 2>&1 | tail -3 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
