@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import ROW_FACTOR, load_page_rows, load_tile_mma, mma_col_to_d
+from .codec import (ROW_FACTOR, decode_page_rows, decode_tile_mma, load_page_rows,
+                    load_page_rows_raw, load_tile_mma, load_tile_mma_raw, mma_col_to_d)
 from .format import PageLayout
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -41,7 +42,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
                    D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr,
-                   NW: tl.constexpr):
+                   NW: tl.constexpr, PREFETCH: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,23 +69,33 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QG_PAD], tl.float32)
     acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)  # transposed: [D, heads]
+    if PREFETCH:  # the first tile's bytes; each iteration then loads the next tile's
+        kw, ks, vw, vs = _tile_bytes(cache_ptr, block_table_ptr, b, stride_bt, page_stride, kvh,
+                                     lo, hi, H, N, D, G_PAD, BLOCK_N, USE_ASM, MMA_K, NW)
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < hi
-        blk = tl.load(block_table_ptr + b * stride_bt + tok // N, mask=tmask, other=0)
-        page_off = blk.to(tl.int64) * page_stride
-        row = kvh * N + tok % N
-        if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
-            i4 = (16 * NW * tl.arange(0, BLOCK_N // (16 * NW))[:, None, None, None]
-                  + 8 * tl.arange(0, 2)[None, :, None, None]
-                  + 16 * tl.arange(0, NW)[None, None, :, None]
-                  + tl.arange(0, 8)[None, None, None, :])
-            tok4 = n0 + i4
-            blk4 = tl.load(block_table_ptr + b * stride_bt + tok4 // N, mask=tok4 < hi, other=0)
-            k = load_tile_mma(cache_ptr, blk4.to(tl.int64) * page_stride, kvh * N + tok4 % N, 0,
-                              tok4 < hi, H, N, USE_ASM)
+        if PREFETCH:  # register double buffering: next tile's loads in flight during this one
+            kw_c, ks_c, vw_c, vs_c = kw, ks, vw, vs
+            kw, ks, vw, vs = _tile_bytes(cache_ptr, block_table_ptr, b, stride_bt, page_stride,
+                                         kvh, n0 + BLOCK_N, hi, H, N, D, G_PAD, BLOCK_N,
+                                         USE_ASM, MMA_K, NW)
+            if MMA_K:
+                k = decode_tile_mma(kw_c, ks_c, USE_ASM)
+            else:
+                k = decode_page_rows(kw_c, ks_c, G_PAD, USE_ASM)
         else:
-            k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
+            blk = tl.load(block_table_ptr + b * stride_bt + tok // N, mask=tmask, other=0)
+            page_off = blk.to(tl.int64) * page_stride
+            row = kvh * N + tok % N
+            if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
+                tok4 = n0 + _mma_rows(BLOCK_N, NW)
+                blk4 = tl.load(block_table_ptr + b * stride_bt + tok4 // N, mask=tok4 < hi,
+                               other=0)
+                k = load_tile_mma(cache_ptr, blk4.to(tl.int64) * page_stride,
+                                  kvh * N + tok4 % N, 0, tok4 < hi, H, N, USE_ASM)
+            else:
+                k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
         s = tl.trans(tl.dot(k, tl.trans(q))) * qk_scale  # K as the register (A) operand
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh via exp2
             e = tl.exp2(s * (2.0 * LOG2E / softcap))
@@ -94,7 +105,10 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD, USE_ASM)
+        if PREFETCH:
+            v = decode_page_rows(vw_c, vs_c, G_PAD, USE_ASM)
+        else:
+            v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD, USE_ASM)
         acc = tl.dot(tl.trans(v), tl.trans(p.to(tl.float16)), acc * alpha[None, :])
         m_i = m_new
 
@@ -117,6 +131,39 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         tl.store(part_out_ptr + prow[:, None] * D + d[None, :], acc * inv, mask=qo_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(part_lse_ptr + prow, lse, mask=gq < QPK)
+
+
+@triton.jit
+def _mma_rows(BLOCK_N: tl.constexpr, NW: tl.constexpr):
+    """Tile rows as [rep, h, w, r] (codec.load_tile_mma's order)."""
+    return (16 * NW * tl.arange(0, BLOCK_N // (16 * NW))[:, None, None, None]
+            + 8 * tl.arange(0, 2)[None, :, None, None]
+            + 16 * tl.arange(0, NW)[None, None, :, None]
+            + tl.arange(0, 8)[None, None, None, :])
+
+
+@triton.jit
+def _tile_bytes(cache_ptr, block_table_ptr, b, stride_bt, page_stride, kvh, n0, hi,
+                H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+                BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, MMA_K: tl.constexpr,
+                NW: tl.constexpr):
+    """The raw K and V bytes (packed data, scales) of the tile at token n0, as the decoders
+    take them; zeros past hi."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    tmask = tok < hi
+    blk = tl.load(block_table_ptr + b * stride_bt + tok // N, mask=tmask, other=0)
+    page_off = blk.to(tl.int64) * page_stride
+    row = kvh * N + tok % N
+    if MMA_K:
+        tok4 = n0 + _mma_rows(BLOCK_N, NW)
+        blk4 = tl.load(block_table_ptr + b * stride_bt + tok4 // N, mask=tok4 < hi, other=0)
+        kw, ks = load_tile_mma_raw(cache_ptr, blk4.to(tl.int64) * page_stride,
+                                   kvh * N + tok4 % N, 0, tok4 < hi, H, N)
+    else:
+        kw, ks = load_page_rows_raw(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD,
+                                    USE_ASM)
+    vw, vs = load_page_rows_raw(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD, USE_ASM)
+    return kw, ks, vw, vs
 
 
 @triton.jit
@@ -174,7 +221,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      sinks: torch.Tensor | None = None, num_splits: int | None = None,
                      max_seq_len: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int = 2,
-                     use_asm: bool | None = None, mma_k: bool | None = None) -> torch.Tensor:
+                     use_asm: bool | None = None, mma_k: bool | None = None,
+                     prefetch: bool = False) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -183,7 +231,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     num_splits: split-KV count (default from choose_num_splits with max_seq_len).
     use_asm: the inline-PTX nibble decoder (default on CUDA; False: the portable formula).
     mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default
-    where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens)."""
+    where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens). prefetch: load the next
+    tile's K/V bytes while this one is decoded (register double buffering; more registers)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -221,7 +270,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm,
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
-        MMA_K=mma_ok if mma_k is None else mma_k and mma_ok, NW=num_warps,
+        MMA_K=mma_ok if mma_k is None else mma_k and mma_ok, NW=num_warps, PREFETCH=prefetch,
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](
