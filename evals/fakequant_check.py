@@ -4,10 +4,20 @@ value quantized-dequantized by kernels/reference.py (NVFP4, global scale 1.0) â€
 on the cache's error, since the engine keeps the current chunk's own K/V exact.
 
     python evals/fakequant_check.py --out evals/results/fakequant_smollm2_cpu.json
+
+--variants also tries K transforms before quantization (undone after, as Q would absorb
+them): `rotate` (the plugin's Hadamard rotation of K), `smooth` (per-channel K smoothing: each
+RoPE channel pair of each KV head divided by max(1, amax / median amax), the amax from
+--calib-texts other GSM8K texts run exactly first), `smooth+rotate`. For models whose K has
+outlier channels (Qwen2's k_proj bias), which 4-bit blocks of 16 cannot hold:
+
+    python evals/fakequant_check.py --model qwen --variants plain rotate smooth smooth+rotate \\
+        --out evals/results/fakequant_qwen2.5_coder_1.5b_cpu.json
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -15,48 +25,85 @@ from pathlib import Path
 
 import torch
 
+MODELS = {"smollm2": ("smollm2", "llama"), "qwen": ("qwen_coder", "qwen2")}
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     ap.add_argument("--texts", type=int, default=16)
+    ap.add_argument("--calib-texts", type=int, default=16)
+    ap.add_argument("--variants", nargs="+", default=["plain"],
+                    choices=["plain", "rotate", "smooth", "smooth+rotate"])
     ap.add_argument("--out", default="evals/results/fakequant.json")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import assets
     import fidelity
-    import transformers.models.llama.modeling_llama as llama
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_nvfp4kv.kernels import reference
+    from vllm_nvfp4kv.kernels.rotation import rotate
 
-    path = str(assets.smollm2())
+    get_path, arch = MODELS[args.model]
+    path = str(getattr(assets, get_path)())
+    modeling = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation="eager")
-    exact_attention = llama.eager_attention_forward
-    quantize_kv = {"on": False}
+    exact_attention = modeling.eager_attention_forward
+    mode = {"variant": None, "calibrate": False}
+    k_amax: dict[int, torch.Tensor] = {}  # layer -> [Hkv, D] channel amax of K (post-RoPE)
 
     def fake_quant(x):  # [B, H, T, D], values as bf16 activations would give them
         data, scales = reference.quantize(x.to(torch.bfloat16), 1.0)
         return reference.dequantize(data, scales, 1.0)
 
+    def smoothing(layer):  # [Hkv, 1, D]: RoPE pairs (i, i + D/2) share their scale
+        a = k_amax[layer]
+        half = a.shape[-1] // 2
+        a = torch.maximum(a[:, :half], a[:, half:]).repeat(1, 2)
+        return (a / a.median(-1, keepdim=True).values).clamp_min(1.0)[:, None, :]
+
     def attention(module, query, key, value, attention_mask, **kw):
-        if quantize_kv["on"]:
-            key, value = fake_quant(key), fake_quant(value)
+        if mode["calibrate"]:
+            a = key[0].abs().amax(1)
+            k_amax[module.layer_idx] = torch.maximum(k_amax.get(module.layer_idx, a), a)
+        elif mode["variant"]:
+            s = smoothing(module.layer_idx) if "smooth" in mode["variant"] else 1.0
+            k = key / s
+            if "rotate" in mode["variant"]:
+                k = rotate(fake_quant(rotate(k)))  # H is its own inverse
+            else:
+                k = fake_quant(k)
+            key, value = k * s, fake_quant(value)
         return exact_attention(module, query, key, value, attention_mask, **kw)
 
-    llama.eager_attention_forward = attention
-    res = {"model": Path(path).name, "texts": args.texts, "rows": []}
-    for on in (False, True):
-        quantize_kv["on"] = on
+    modeling.eager_attention_forward = attention
+
+    def nll_of(texts):
         nll = []
-        for text in fidelity.gsm8k_texts(args.texts):
+        for text in texts:
             ids = torch.tensor([tok(text)["input_ids"][:1000]])
             with torch.no_grad():
                 logits = model(ids).logits[0, :-1].float()
-            nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none").tolist()
-        row = {"kv": "nvfp4 fake-quant (all K/V)" if on else "exact", "tokens": len(nll),
-               "ppl": math.exp(sum(nll) / len(nll))}
+            nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:],
+                                                     reduction="none").tolist()
+        return nll
+
+    texts = fidelity.gsm8k_texts(args.texts + args.calib_texts)
+    if any("smooth" in v for v in args.variants):  # calibration texts: disjoint from scored
+        mode["calibrate"] = True
+        nll_of(texts[args.texts:])
+        mode["calibrate"] = False
+    res = {"model": Path(path).name, "texts": args.texts, "calib_texts": args.calib_texts,
+           "device": "cpu", "torch": torch.__version__, "rows": []}
+    for variant in [None] + args.variants:
+        mode["variant"] = variant
+        nll = nll_of(texts[:args.texts])
+        name = {None: "exact", "plain": "nvfp4 fake-quant (all K/V)"}.get(
+            variant, f"nvfp4 fake-quant, K {variant}")
+        row = {"kv": name, "tokens": len(nll), "ppl": math.exp(sum(nll) / len(nll))}
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
