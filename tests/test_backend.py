@@ -225,3 +225,23 @@ def test_unsupported_layers_are_refused(kw, match):
     args.update(kw)
     with pytest.raises((NotImplementedError, ValueError), match=match):
         NvFp4AttentionImpl(**args)
+
+
+def test_k_outlier_channels_warn_once_per_layer():
+    """A K channel pair 500x the median (Qwen2's k_proj bias) is reported at the layer's first
+    real batch; dummy batches (all slots padded) are not data; ordinary K is not reported."""
+    from vllm_nvfp4kv.scales import k_outlier_ratio
+    impl = NvFp4AttentionImpl(HQ, 64, 0.1, H, None, None, "nvfp4")
+    layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
+    key = torch.randn(8, H, 64)
+    key[:, 1, 5] += 500.0                        # one channel of head 1
+    padded = torch.full((8,), -1)
+    assert k_outlier_ratio(key, padded) is None
+    assert k_outlier_ratio(key, torch.arange(8)) > 100
+    assert k_outlier_ratio(torch.randn(8, H, 64), torch.arange(8)) < 48
+    with mock.patch.object(backend.logger, "warning") as warn:
+        impl._check_k_outliers(layer, key, padded)
+        assert not warn.called and not impl._outliers_checked
+        impl._check_k_outliers(layer, key, torch.arange(8))
+        assert warn.call_count == 1 and "outlier" in warn.call_args[0][0]
+        assert impl._outliers_checked

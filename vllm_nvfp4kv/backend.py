@@ -26,7 +26,7 @@ from vllm_nvfp4kv.kernels.rotation import rotate
 from vllm_nvfp4kv.kernels.decode import choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.calibration import prepare_write
-from vllm_nvfp4kv.scales import check_scales, global_scales
+from vllm_nvfp4kv.scales import K_OUTLIER_RATIO, check_scales, global_scales, k_outlier_ratio
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_dtype, workspace_views
 
 logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applies
@@ -265,6 +265,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         self.sinks = sinks
         self.fa_version = None
         self._checked = False
+        self._outliers_checked = False
         # the workspace size, from the config in force while the model is built
         cfg = get_current_vllm_config_or_none()
         self.ws_capacity = workspace_capacity(cfg, sliding_window) if cfg else 0
@@ -279,6 +280,9 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         k_scale, v_scale = global_scales(layer)
         t = slot_mapping.shape[0]
         key, value = key[:t], value[:t]
+        if not self._outliers_checked and not (key.is_cuda
+                                               and torch.cuda.is_current_stream_capturing()):
+            self._check_k_outliers(layer, key, slot_mapping)
         if self.rotate_k:
             key = rotate(key)
         if self.rotate_v:
@@ -291,6 +295,21 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             self._checked = True
         write = write_cache if kv_cache.is_cuda else reference.write_cache
         write(kv_cache, key, value, slot_mapping, k_scale, v_scale, FOUR_OVER_SIX)
+
+    def _check_k_outliers(self, layer, key, slot_mapping) -> None:
+        """Once per layer, at its first batch of real tokens: warn when K has outlier channels
+        that 4-bit blocks of 16 cannot hold (the model will lose accuracy badly)."""
+        ratio = k_outlier_ratio(key, slot_mapping)
+        if ratio is None:  # dummy / warm-up batch (all slots padded)
+            return
+        self._outliers_checked = True
+        if ratio > K_OUTLIER_RATIO:
+            logger.warning(
+                "NVFP4 KV cache: layer %s has K outlier channels (max/median channel amax "
+                "%.0f > %.0f, e.g. a k_proj bias as in Qwen2): each 16-value block holding one "
+                "rounds its other values to 0 and accuracy collapses (README, Qwen2.5 "
+                "fidelity). Use --kv-cache-dtype fp8 for this model.",
+                getattr(layer, "layer_name", "?"), ratio, K_OUTLIER_RATIO)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: NvFp4Metadata | None,
