@@ -301,7 +301,10 @@ def sweep(args):
     for name, env in OPTIONS.items():
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             cmd = [sys.executable, __file__, "--texts", str(args.texts), "--chunk",
-                   str(args.chunk), "--dtypes", "auto", "nvfp4", "--out", tmp.name]
+                   str(args.chunk), "--topk", str(args.topk), "--dtypes", "auto", "nvfp4",
+                   "--out", tmp.name]
+            if args.block_size:
+                cmd += ["--block-size", str(args.block_size)]
             if args.model:
                 cmd += ["--model", args.model]
             subprocess.run(cmd, env={**os.environ, **env}, check=True,
@@ -312,8 +315,8 @@ def sweep(args):
             rows.append(res["rows"][0])
         rows.append({**res["rows"][1], "kv_dtype": name})
         print(json.dumps(rows[-1]), flush=True)
-    meta["rows"] = rows
-    Path(args.out).write_text(json.dumps(meta, indent=1))
+        meta["rows"] = rows  # after every row: a run cut short keeps what it measured
+        Path(args.out).write_text(json.dumps(meta, indent=1))
     table(rows)
 
 
