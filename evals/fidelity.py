@@ -24,8 +24,10 @@ scored ones) / FP8. --v-mult / --k-mult score a reparametrized copy of the model
 magnitudes m times larger), the case calibration is for.
 --variants workspace (GPU: the FP8 workspace runs FA3 in FP8): BF16 / NVFP4 with the BF16
 prefill workspace (default) / NVFP4 with the FP8 workspace (NVFP4KV_WORKSPACE_DTYPE=fp8) / FP8.
+--sweep (= --variants options): BF16, then NVFP4 with each combination of 4-over-6 and
+rotating K (and V), each row its own engine, the results file rewritten after every row.
 On a CPU, FP8 KV needs vLLM's 'vec' attention kernel (block size a multiple of 32), so
---variants uses block size 32 there for every row.
+--variants with an FP8 row uses block size 32 there for every row (options: 16).
 """
 from __future__ import annotations
 
@@ -141,7 +143,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=32, help="max_num_batched_tokens")
     ap.add_argument("--out", default="evals/results/fidelity.json")
     ap.add_argument("--sweep", action="store_true",
-                    help="NVFP4 with each accuracy option (NVFP4KV_* variables), one process each")
+                    help="= --variants options: BF16, then NVFP4 with each combination of the "
+                         "accuracy options (NVFP4KV_* variables)")
     ap.add_argument("--variants", choices=sorted(VARIANTS),
                     help="rows of a study, one process each (see above)")
     ap.add_argument("--topk", type=int, default=20, help="tokens per position for the KL")
@@ -151,8 +154,8 @@ def main():
     ap.add_argument("--v-mult", type=float, default=1.0)
     ap.add_argument("--dump", help=argparse.SUPPRESS)  # one dtype's per-token data (variants)
     args = ap.parse_args()
-    if args.sweep:
-        return sweep(args)
+    if args.sweep:  # the accuracy options, each row its own engine (options are read at start)
+        args.variants = "options"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     assets = __import__("assets")
     on_gpu = assets.engine_env()
@@ -185,7 +188,6 @@ def main():
         base = base or run
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"\n{res['device']}, {Path(model).name}, {len(texts)} GSM8K texts, "
           f"{res['rows'][0].get('tokens')} tokens, chunks of {args.chunk}")
@@ -225,13 +227,22 @@ def variants(args, model, on_gpu):
     """One process per row (options are read at start-up); per-token data through files."""
     import subprocess
     import tempfile
-    bs = args.block_size or (16 if on_gpu else 32)
+    # on a CPU FP8 needs block size 32; rows without FP8 keep the engine's 16
+    bs = args.block_size or (16 if on_gpu or args.variants == "options" else 32)
     tmpdir = Path(tempfile.mkdtemp(prefix="fidelity-"))
     scales = Path(args.out).with_suffix(".scales.json")
     rows, base = [], None
     clean = {k: v for k, v in os.environ.items()
              if k not in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE", "NVFP4KV_WORKSPACE_DTYPE")}
+    import torch
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
+           "texts": args.texts, "chunk_tokens": args.chunk, "block_size": bs,
+           "kl": f"top-{args.topk} + rest", "k_mult": args.k_mult, "v_mult": args.v_mult,
+           "scales_file": str(scales), "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name, dtype, env in VARIANTS[args.variants]:
+        Path(args.out).write_text(json.dumps(res, indent=1))  # a run cut short keeps its rows
         if "{scales}" in env.values() and not scales.exists():
             cmd = [sys.executable, str(Path(__file__).with_name("calibrate.py")), "--model",
                    model, "--out", str(scales)]
@@ -253,12 +264,6 @@ def variants(args, model, on_gpu):
         rows.append({"kv_dtype": name, "env": env, **metrics(base, run)})
         base = base or run
         print(json.dumps(rows[-1]), flush=True)
-    import torch
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
-           "texts": args.texts, "chunk_tokens": args.chunk, "block_size": bs,
-           "kl": f"top-{args.topk} + rest", "k_mult": args.k_mult, "v_mult": args.v_mult,
-           "scales_file": str(scales), "rows": rows}
     ok = [r for r in rows if "kl" in r]
     by = {r["kv_dtype"].split(" ")[0] + (" online" if "online" in r["kv_dtype"] else
                                           " offline" if "offline" in r["kv_dtype"] else ""): r
@@ -269,7 +274,6 @@ def variants(args, model, on_gpu):
         for v in ("online", "offline"):
             if f"nvfp4 {v}" in by and gap > 0:
                 res[f"kl_gap_closed_{v}"] = (by["nvfp4"]["kl"] - by[f"nvfp4 {v}"]["kl"]) / gap
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(f"\n{res['device']}, {Path(model).name}, {args.texts} GSM8K texts, chunks of "
           f"{args.chunk}, block size {bs}")
@@ -292,32 +296,8 @@ OPTIONS = {  # name -> environment of the run (every option explicit: defaults m
     "nvfp4 + rotate K,V": _opts("0", "1", "1"),
     "nvfp4 + rotate K,V + 4over6": _opts("1", "1", "1"),
 }
-
-
-def sweep(args):
-    import subprocess
-    import tempfile
-    rows, meta = [], None
-    for name, env in OPTIONS.items():
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [sys.executable, __file__, "--texts", str(args.texts), "--chunk",
-                   str(args.chunk), "--topk", str(args.topk), "--dtypes", "auto", "nvfp4",
-                   "--out", tmp.name]
-            if args.block_size:
-                cmd += ["--block-size", str(args.block_size)]
-            if args.model:
-                cmd += ["--model", args.model]
-            subprocess.run(cmd, env={**os.environ, **env}, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            res = json.load(open(tmp.name))
-        meta = meta or res
-        if not rows:
-            rows.append(res["rows"][0])
-        rows.append({**res["rows"][1], "kv_dtype": name})
-        print(json.dumps(rows[-1]), flush=True)
-        meta["rows"] = rows  # after every row: a run cut short keeps what it measured
-        Path(args.out).write_text(json.dumps(meta, indent=1))
-    table(rows)
+VARIANTS["options"] = [("bf16 (auto)", "auto", {})] + [(name, "nvfp4", env)
+                                                       for name, env in OPTIONS.items()]
 
 
 if __name__ == "__main__":
