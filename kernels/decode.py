@@ -85,15 +85,11 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
             else:
                 k = decode_page_rows(kw_c, ks_c, G_PAD, USE_ASM)
         else:
-            blk = tl.load(block_table_ptr + b * stride_bt + tok // N, mask=tmask, other=0)
-            page_off = blk.to(tl.int64) * page_stride
-            row = kvh * N + tok % N
+            page_off, row, _ = _locate(block_table_ptr, b, stride_bt, page_stride, kvh, tok, hi, N)
             if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
-                tok4 = n0 + _mma_rows(BLOCK_N, NW)
-                blk4 = tl.load(block_table_ptr + b * stride_bt + tok4 // N, mask=tok4 < hi,
-                               other=0)
-                k = load_tile_mma(cache_ptr, blk4.to(tl.int64) * page_stride,
-                                  kvh * N + tok4 % N, 0, tok4 < hi, H, N, USE_ASM)
+                off4, row4, mask4 = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
+                                            n0 + _mma_rows(BLOCK_N, NW), hi, N)
+                k = load_tile_mma(cache_ptr, off4, row4, 0, mask4, H, N, USE_ASM)
             else:
                 k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
         s = tl.trans(tl.dot(k, tl.trans(q))) * qk_scale  # K as the register (A) operand
@@ -134,6 +130,15 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
 
 
 @triton.jit
+def _locate(block_table_ptr, b, stride_bt, page_stride, kvh, tok, hi, N: tl.constexpr):
+    """Where tokens `tok` (any shape) of sequence b live: (page byte offset, row in the page
+    = head * N + token in page, tok < hi); past hi the page is 0 and the row masked."""
+    mask = tok < hi
+    blk = tl.load(block_table_ptr + b * stride_bt + tok // N, mask=mask, other=0)
+    return blk.to(tl.int64) * page_stride, kvh * N + tok % N, mask
+
+
+@triton.jit
 def _mma_rows(BLOCK_N: tl.constexpr, NW: tl.constexpr):
     """Tile rows as [rep, h, w, r] (codec.load_tile_mma's order)."""
     return (16 * NW * tl.arange(0, BLOCK_N // (16 * NW))[:, None, None, None]
@@ -149,16 +154,12 @@ def _tile_bytes(cache_ptr, block_table_ptr, b, stride_bt, page_stride, kvh, n0, 
                 NW: tl.constexpr):
     """The raw K and V bytes (packed data, scales) of the tile at token n0, as the decoders
     take them; zeros past hi."""
-    tok = n0 + tl.arange(0, BLOCK_N)
-    tmask = tok < hi
-    blk = tl.load(block_table_ptr + b * stride_bt + tok // N, mask=tmask, other=0)
-    page_off = blk.to(tl.int64) * page_stride
-    row = kvh * N + tok % N
+    page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
+                                   n0 + tl.arange(0, BLOCK_N), hi, N)
     if MMA_K:
-        tok4 = n0 + _mma_rows(BLOCK_N, NW)
-        blk4 = tl.load(block_table_ptr + b * stride_bt + tok4 // N, mask=tok4 < hi, other=0)
-        kw, ks = load_tile_mma_raw(cache_ptr, blk4.to(tl.int64) * page_stride,
-                                   kvh * N + tok4 % N, 0, tok4 < hi, H, N)
+        off4, row4, mask4 = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
+                                    n0 + _mma_rows(BLOCK_N, NW), hi, N)
+        kw, ks = load_tile_mma_raw(cache_ptr, off4, row4, 0, mask4, H, N)
     else:
         kw, ks = load_page_rows_raw(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD,
                                     USE_ASM)
