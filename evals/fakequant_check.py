@@ -59,11 +59,15 @@ def main():
         data, scales = reference.quantize(x.to(torch.bfloat16), 1.0)
         return reference.dequantize(data, scales, 1.0)
 
+    smooth: dict[int, torch.Tensor] = {}
+
     def smoothing(layer):  # [Hkv, 1, D]: RoPE pairs (i, i + D/2) share their scale
-        a = k_amax[layer]
-        half = a.shape[-1] // 2
-        a = torch.maximum(a[:, :half], a[:, half:]).repeat(1, 2)
-        return (a / a.median(-1, keepdim=True).values).clamp_min(1.0)[:, None, :]
+        if layer not in smooth:  # once per layer, from the calibration amax
+            a = k_amax[layer]
+            half = a.shape[-1] // 2
+            a = torch.maximum(a[:, :half], a[:, half:]).repeat(1, 2)
+            smooth[layer] = (a / a.median(-1, keepdim=True).values).clamp_min(1.0)[:, None, :]
+        return smooth[layer]
 
     def attention(module, query, key, value, attention_mask, **kw):
         if mode["calibrate"]:
