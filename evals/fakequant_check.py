@@ -44,6 +44,7 @@ def main():
 
     from vllm_nvfp4kv.kernels import reference
     from vllm_nvfp4kv.kernels.rotation import rotate
+    from vllm_nvfp4kv.scales import rope_pair_amax
 
     get_path, arch = MODELS[args.model]
     path = str(getattr(assets, get_path)())
@@ -63,9 +64,7 @@ def main():
 
     def smoothing(layer):  # [Hkv, 1, D]: RoPE pairs (i, i + D/2) share their scale
         if layer not in smooth:  # once per layer, from the calibration amax
-            a = k_amax[layer]
-            half = a.shape[-1] // 2
-            a = torch.maximum(a[:, :half], a[:, half:]).repeat(1, 2)
+            a = rope_pair_amax(k_amax[layer]).repeat(1, 2)
             smooth[layer] = (a / a.median(-1, keepdim=True).values).clamp_min(1.0)[:, None, :]
         return smooth[layer]
 

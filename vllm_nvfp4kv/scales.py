@@ -5,7 +5,8 @@ ModelOpt NVFP4/FP8 checkpoints (k_scale / v_scale), 1.0 otherwise, and overwritt
 (CUDA graphs hold their addresses) by ``calibration.py`` before the layer's first real KV
 write: a scales file (``NVFP4KV_SCALES_FILE``) or online calibration
 (``NVFP4KV_CALIBRATE=online``). Pages already written keep the scale they were written with,
-so a scale never changes once real data used it.
+so a scale never changes once real data used it. Also the checks on what a layer writes:
+scales that would corrupt the cache, K channels that 4-bit blocks cannot hold.
 """
 from __future__ import annotations
 
@@ -41,7 +42,12 @@ def k_outlier_ratio(key: torch.Tensor, slot_mapping: torch.Tensor) -> float | No
     k = key[slot_mapping >= 0].float().abs()
     if k.shape[0] == 0:
         return None
-    a = k.amax(0)
-    half = a.shape[-1] // 2
-    a = torch.maximum(a[:, :half], a[:, half:])  # a RoPE pair (i, i + D/2) moves together
+    a = rope_pair_amax(k.amax(0))
     return float((a.amax(-1) / a.median(-1).values.clamp_min(1e-30)).max())
+
+
+def rope_pair_amax(amax: torch.Tensor) -> torch.Tensor:
+    """Per-channel amax [..., D] -> per RoPE pair (i, i + D/2) [..., D/2]: RoPE rotates a
+    pair's two channels into each other, so only the pair's magnitude is position-free."""
+    half = amax.shape[-1] // 2
+    return torch.maximum(amax[..., :half], amax[..., half:])
