@@ -54,6 +54,10 @@ def time_fn(fn, device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         return (time.perf_counter() - t) * 1e3
+    # one eager call first: FA3's first call at a shape, captured straight into the timing
+    # graph, made a later FA3 graph fault with an illegal address on the H200 (2026-12-04)
+    fn()
+    torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
@@ -277,15 +281,12 @@ def tune(args):
 def ab(args):
     """A/B of kernel variants at a few shapes in one process, FA3 FP8 as the yardstick:
     K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
-    tiles, 8 warps, twice the default split count (more CTAs per SM), the next tile's bytes
-    prefetched into registers (sm_90 AOT: 235 registers at 128-token tiles, 128 at 64)."""
+    tiles, 8 warps, twice the default split count (more CTAs per SM)."""
     device = torch.device("cuda")
     res = header(args, device)
-    for mma_k, warps, prefetch in ((False, 4, False), (False, 8, False), (True, 4, False),
-                                   (True, 8, False), (True, 4, True), (False, 4, True)):
-        for ns, err in check(args, device, mma_k=mma_k, num_warps=warps,
-                             prefetch=prefetch).items():
-            res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}_pf{int(prefetch)}"] = err
+    for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
+        for ns, err in check(args, device, mma_k=mma_k, num_warps=warps).items():
+            res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}"] = err
     print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
     res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     shapes = [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072)]
@@ -297,11 +298,7 @@ def ab(args):
         variants = (("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
                     ("mma_k_bn64", dict(mma_k=True, block_n=64)),
                     ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
-                    ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
-                    ("mma_k_prefetch", dict(mma_k=True, block_n=128, prefetch=True)),
-                    ("mma_k_bn64_prefetch", dict(mma_k=True, block_n=64, prefetch=True)),
-                    ("mma_k_bn64_prefetch_2xsplits", dict(mma_k=True, block_n=64, prefetch=True,
-                                                          num_splits=min(64, 2 * base))))
+                    ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))))
         for name, kw in variants:
             row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
             row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])

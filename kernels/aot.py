@@ -15,15 +15,14 @@ DIV16 = ("page_stride", "stride_qt", "stride_ot", "stride_bt", "stride_kt", "str
 
 
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
-                      mma_k: bool = True, features: bool = False,
-                      prefetch: bool = False) -> dict:
+                      mma_k: bool = True, features: bool = False) -> dict:
     """The decode kernel's constexprs as decode_attention sets them (Llama-3-8B heads, page
     16, 4 splits); features: softcap, sliding window and sinks on."""
     return dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
                 G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, NUM_SPLITS=4,
                 USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
                 MMA_K=mma_k and mma_k_applies(d, warps, block_n),
-                NW=warps, PREFETCH=prefetch)
+                NW=warps)
 
 
 def specs() -> dict:
@@ -53,10 +52,6 @@ def specs() -> dict:
         "decode-smem-k-d96": (decode._decode_kernel, decode_sig,
                               decode_constexprs(d=96, features=True), 4),
         "decode-8warps": (decode._decode_kernel, decode_sig, decode_constexprs(warps=8), 8),
-        "decode-prefetch": (decode._decode_kernel, decode_sig,
-                            decode_constexprs(prefetch=True), 4),
-        "decode-prefetch-smem-k": (decode._decode_kernel, decode_sig,
-                                   decode_constexprs(mma_k=False, prefetch=True), 4),
         "reduce": (decode._reduce_kernel,
                    dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32",
                         out_ptr="*bf16", stride_ot="i32", stride_oh="i32"),

@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import (ROW_FACTOR, decode_page_rows, decode_tile_mma, load_page_rows,
-                    load_page_rows_raw, load_tile_mma, load_tile_mma_raw, mma_col_to_d)
+from .codec import ROW_FACTOR, load_page_rows, load_tile_mma, mma_col_to_d
 from .format import PageLayout
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -42,7 +41,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
                    D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr,
-                   NW: tl.constexpr, PREFETCH: tl.constexpr):
+                   NW: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -69,29 +68,16 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QG_PAD], tl.float32)
     acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)  # transposed: [D, heads]
-    if PREFETCH:  # the first tile's bytes; each iteration then loads the next tile's
-        kw, ks, vw, vs = _tile_bytes(cache_ptr, block_table_ptr, b, stride_bt, page_stride, kvh,
-                                     lo, hi, H, N, D, G_PAD, BLOCK_N, USE_ASM, MMA_K, NW)
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < hi
-        if PREFETCH:  # register double buffering: next tile's loads in flight during this one
-            kw_c, ks_c, vw_c, vs_c = kw, ks, vw, vs
-            kw, ks, vw, vs = _tile_bytes(cache_ptr, block_table_ptr, b, stride_bt, page_stride,
-                                         kvh, n0 + BLOCK_N, hi, H, N, D, G_PAD, BLOCK_N,
-                                         USE_ASM, MMA_K, NW)
-            if MMA_K:
-                k = decode_tile_mma(kw_c, ks_c, USE_ASM)
-            else:
-                k = decode_page_rows(kw_c, ks_c, G_PAD, USE_ASM)
+        page_off, row, _ = _locate(block_table_ptr, b, stride_bt, page_stride, kvh, tok, hi, N)
+        if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
+            off4, row4, mask4 = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
+                                        n0 + _mma_rows(BLOCK_N, NW), hi, N)
+            k = load_tile_mma(cache_ptr, off4, row4, 0, mask4, H, N, USE_ASM)
         else:
-            page_off, row, _ = _locate(block_table_ptr, b, stride_bt, page_stride, kvh, tok, hi, N)
-            if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
-                off4, row4, mask4 = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
-                                            n0 + _mma_rows(BLOCK_N, NW), hi, N)
-                k = load_tile_mma(cache_ptr, off4, row4, 0, mask4, H, N, USE_ASM)
-            else:
-                k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
+            k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
         s = tl.trans(tl.dot(k, tl.trans(q))) * qk_scale  # K as the register (A) operand
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh via exp2
             e = tl.exp2(s * (2.0 * LOG2E / softcap))
@@ -101,10 +87,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PREFETCH:
-            v = decode_page_rows(vw_c, vs_c, G_PAD, USE_ASM)
-        else:
-            v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD, USE_ASM)
+        v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD, USE_ASM)
         acc = tl.dot(tl.trans(v), tl.trans(p.to(tl.float16)), acc * alpha[None, :])
         m_i = m_new
 
@@ -145,26 +128,6 @@ def _mma_rows(BLOCK_N: tl.constexpr, NW: tl.constexpr):
             + 8 * tl.arange(0, 2)[None, :, None, None]
             + 16 * tl.arange(0, NW)[None, None, :, None]
             + tl.arange(0, 8)[None, None, None, :])
-
-
-@triton.jit
-def _tile_bytes(cache_ptr, block_table_ptr, b, stride_bt, page_stride, kvh, n0, hi,
-                H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-                BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr, MMA_K: tl.constexpr,
-                NW: tl.constexpr):
-    """The raw K and V bytes (packed data, scales) of the tile at token n0, as the decoders
-    take them; zeros past hi."""
-    page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
-                                   n0 + tl.arange(0, BLOCK_N), hi, N)
-    if MMA_K:
-        off4, row4, mask4 = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
-                                    n0 + _mma_rows(BLOCK_N, NW), hi, N)
-        kw, ks = load_tile_mma_raw(cache_ptr, off4, row4, 0, mask4, H, N)
-    else:
-        kw, ks = load_page_rows_raw(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD,
-                                    USE_ASM)
-    vw, vs = load_page_rows_raw(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD, USE_ASM)
-    return kw, ks, vw, vs
 
 
 @triton.jit
@@ -222,8 +185,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      sinks: torch.Tensor | None = None, num_splits: int | None = None,
                      max_seq_len: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int = 2,
-                     use_asm: bool | None = None, mma_k: bool | None = None,
-                     prefetch: bool = False) -> torch.Tensor:
+                     use_asm: bool | None = None, mma_k: bool | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -232,8 +194,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     num_splits: split-KV count (default from choose_num_splits with max_seq_len).
     use_asm: the inline-PTX nibble decoder (default on CUDA; False: the portable formula).
     mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default
-    where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens). prefetch: load the next
-    tile's K/V bytes while this one is decoded (register double buffering; more registers)."""
+    where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -271,7 +232,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm,
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
-        MMA_K=mma_ok if mma_k is None else mma_k and mma_ok, NW=num_warps, PREFETCH=prefetch,
+        MMA_K=mma_ok if mma_k is None else mma_k and mma_ok, NW=num_warps,
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](

@@ -653,16 +653,14 @@ def test_decode_refuses_16_token_tiles(device):
                            block_n=16)
 
 
-@pytest.mark.parametrize("d,block_n,mma_k,warps,prefetch", [
-    (96, 32, None, 4, False), (96, 64, None, 4, False), (96, 128, None, 4, False),
-    (96, None, None, 4, False), (128, 64, True, 4, False), (128, 128, True, 4, False),
-    (128, 256, True, 4, False), (128, 128, False, 4, False), (128, 128, True, 8, False),
-    (128, 128, True, 4, True), (128, 64, False, 4, True), (96, 32, None, 4, True)])
-def test_decode_block_n(device, d, block_n, mma_k, warps, prefetch):
+@pytest.mark.parametrize("d,block_n,mma_k,warps", [
+    (96, 32, None, 4), (96, 64, None, 4), (96, 128, None, 4), (96, None, None, 4),
+    (128, 64, True, 4), (128, 128, True, 4), (128, 256, True, 4), (128, 128, False, 4),
+    (128, 128, True, 8)])
+def test_decode_block_n(device, d, block_n, mma_k, warps):
     """Every tile size the launcher accepts (None: its own choice), one and several splits,
     single-token and multi-page sequences; at D = 128 with K decoded straight into the MMA
-    layout (codec.load_tile_mma, Q permuted alike; 4 and 8 warps) and through shared memory;
-    with the next tile's bytes prefetched (register double buffering)."""
+    layout (codec.load_tile_mma, Q permuted alike; 4 and 8 warps) and through shared memory."""
     n, hkv, qpk = 16, 2, 1
     seq_lens = [1, 40, 0, 300]
     cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, seed=7)
@@ -670,7 +668,7 @@ def test_decode_block_n(device, d, block_n, mma_k, warps, prefetch):
     for splits in (1, 2):
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
         K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, num_splits=splits,
-                           block_n=block_n, mma_k=mma_k, num_warps=warps, prefetch=prefetch)
+                           block_n=block_n, mma_k=mma_k, num_warps=warps)
         _check_decode(out, ref, seq_lens)
 
 
