@@ -6,9 +6,10 @@ on the cache's error, since the engine keeps the current chunk's own K/V exact.
     python evals/fakequant_check.py --out evals/results/fakequant_smollm2_cpu.json
 
 --variants also tries K transforms before quantization (undone after, as Q would absorb
-them): `rotate` (the plugin's Hadamard rotation of K), `smooth` (per-channel K smoothing: each
-RoPE channel pair of each KV head divided by max(1, amax / median amax), the amax from
---calib-texts other GSM8K texts run exactly first), `smooth+rotate`. For models whose K has
+them): `rotate` (the plugin's Hadamard rotation of K), `smooth` (the plugin's per-channel K
+smoothing, scales.k_smoothing_factors: each RoPE channel pair of each KV head divided by
+max(1, amax / median amax) rounded to a power of two, the amax from --calib-texts other GSM8K
+texts run exactly first), `smooth+rotate`. For models whose K has
 outlier channels (Qwen2's k_proj bias), which 4-bit blocks of 16 cannot hold:
 
     python evals/fakequant_check.py --model qwen --variants plain rotate smooth smooth+rotate \\
@@ -44,7 +45,7 @@ def main():
 
     from vllm_nvfp4kv.kernels import reference
     from vllm_nvfp4kv.kernels.rotation import rotate
-    from vllm_nvfp4kv.scales import rope_pair_amax
+    from vllm_nvfp4kv.scales import k_smoothing_factors
 
     get_path, arch = MODELS[args.model]
     path = str(getattr(assets, get_path)())
@@ -62,10 +63,9 @@ def main():
 
     smooth: dict[int, torch.Tensor] = {}
 
-    def smoothing(layer):  # [Hkv, 1, D]: RoPE pairs (i, i + D/2) share their scale
-        if layer not in smooth:  # once per layer, from the calibration amax
-            a = rope_pair_amax(k_amax[layer]).repeat(1, 2)
-            smooth[layer] = (a / a.median(-1, keepdim=True).values).clamp_min(1.0)[:, None, :]
+    def smoothing(layer):  # [Hkv, 1, D], once per layer from the calibration amax
+        if layer not in smooth:
+            smooth[layer] = k_smoothing_factors(k_amax[layer])[:, None, :]
         return smooth[layer]
 
     def attention(module, query, key, value, attention_mask, **kw):

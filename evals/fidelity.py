@@ -26,8 +26,10 @@ magnitudes m times larger), the case calibration is for.
 prefill workspace (default) / NVFP4 with the FP8 workspace (NVFP4KV_WORKSPACE_DTYPE=fp8) / FP8.
 --sweep (= --variants options): BF16, then NVFP4 with each combination of 4-over-6 and
 rotating K (and V), each row its own engine, the results file rewritten after every row.
+--variants smoothing: BF16, NVFP4 with rotate K / without, with offline global scales, and
+with per-channel K smoothing from an offline scales file (evals/calibrate.py --smooth-k).
 On a CPU, FP8 KV needs vLLM's 'vec' attention kernel (block size a multiple of 32), so
---variants with an FP8 row uses block size 32 there for every row (options: 16).
+--variants with an FP8 row uses block size 32 there for every row (others: 16).
 """
 from __future__ import annotations
 
@@ -228,9 +230,11 @@ def variants(args, model, on_gpu):
     import subprocess
     import tempfile
     # on a CPU FP8 needs block size 32; rows without FP8 keep the engine's 16
-    bs = args.block_size or (16 if on_gpu or args.variants == "options" else 32)
+    fp8_row = any(dtype == "fp8" for _, dtype, _ in VARIANTS[args.variants])
+    bs = args.block_size or (32 if fp8_row and not on_gpu else 16)
     tmpdir = Path(tempfile.mkdtemp(prefix="fidelity-"))
-    scales = Path(args.out).with_suffix(".scales.json")
+    files = {"{scales}": (Path(args.out).with_suffix(".scales.json"), []),
+             "{smooth}": (Path(args.out).with_suffix(".smooth.json"), ["--smooth-k"])}
     rows, base = [], None
     clean = {k: v for k, v in os.environ.items()
              if k not in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE", "NVFP4KV_WORKSPACE_DTYPE")}
@@ -239,16 +243,17 @@ def variants(args, model, on_gpu):
            "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
            "texts": args.texts, "chunk_tokens": args.chunk, "block_size": bs,
            "kl": f"top-{args.topk} + rest", "k_mult": args.k_mult, "v_mult": args.v_mult,
-           "scales_file": str(scales), "rows": rows}
+           "scales_files": {k[1:-1]: str(f) for k, (f, _) in files.items()}, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name, dtype, env in VARIANTS[args.variants]:
         Path(args.out).write_text(json.dumps(res, indent=1))  # a run cut short keeps its rows
-        if "{scales}" in env.values() and not scales.exists():
-            cmd = [sys.executable, str(Path(__file__).with_name("calibrate.py")), "--model",
-                   model, "--out", str(scales)]
-            print("+", " ".join(cmd), flush=True)
-            subprocess.run(cmd, env=clean, check=True)
-        env = {k: v.replace("{scales}", str(scales)) for k, v in env.items()}
+        for key, (path, flags) in files.items():
+            if key in env.values() and not path.exists():
+                cmd = [sys.executable, str(Path(__file__).with_name("calibrate.py")),
+                       "--model", model, "--out", str(path), *flags]
+                print("+", " ".join(cmd), flush=True)
+                subprocess.run(cmd, env=clean, check=True)
+            env = {k: v.replace(key, str(path)) for k, v in env.items()}
         dump = tmpdir / f"{len(rows)}.json"
         cmd = [sys.executable, __file__, "--model", model, "--texts", str(args.texts),
                "--chunk", str(args.chunk), "--topk", str(args.topk), "--block-size", str(bs),
@@ -298,6 +303,19 @@ OPTIONS = {  # name -> environment of the run (every option explicit: defaults m
 }
 VARIANTS["options"] = [("bf16 (auto)", "auto", {})] + [(name, "nvfp4", env)
                                                        for name, env in OPTIONS.items()]
+# K smoothing: a scales file from evals/calibrate.py --smooth-k (GSM8K rows disjoint from the
+# scored ones); {scales} / {smooth} are the two calibration files
+VARIANTS["smoothing"] = [
+    ("bf16 (auto)", "auto", {}),
+    ("nvfp4 + rotate K + 4over6", "nvfp4", _opts("1", "1", "0")),
+    ("nvfp4 + 4over6", "nvfp4", _opts("1", "0", "0")),
+    ("nvfp4 + 4over6 + offline scales", "nvfp4",
+     {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{scales}"}),
+    ("nvfp4 + smooth K (offline) + 4over6", "nvfp4",
+     {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}"}),
+    ("nvfp4 + smooth K (offline)", "nvfp4",
+     {**_opts("0", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}"}),
+]
 
 
 if __name__ == "__main__":

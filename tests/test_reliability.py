@@ -545,9 +545,9 @@ def test_padded_slots_never_touch_a_byte(device):
         cache = before.clone().to(device)
         impl.do_kv_cache_update(layer, key.to(device), value.to(device), cache,
                                 slots.to(device))
-        kk = backend.rotate(key[valid]) if impl.rotate_k else key[valid]
+        kk = impl.space.key(key[valid])
         want = before.clone()
-        R.write_cache(want, kk, value[valid], slots[valid], 0.7, 1.1, backend.FOUR_OVER_SIX)
+        R.write_cache(want, kk, value[valid], slots[valid], 0.7, 1.1, impl.four_over_six)
         check(cache)
 
 
@@ -797,7 +797,7 @@ def test_prefix_cache_reuse_of_another_requests_block(device):
     assert torch.equal(own[[2, 4]], a_pages[:2]), "equal K/V must give equal bytes"
     assert torch.equal(out_b, _step(impl, layer, own, tc, [(32, 10)], *dev(qb, kb, vb)))
     # against the reference
-    rot = rotate if impl.rotate_k else (lambda x: x)
+    rot = rotate if impl.space.rotate_k else (lambda x: x)
     pk, pv = R.gather_cache(cache.cpu(), tb.cpu(), torch.tensor([0, 32]),
                             torch.zeros(1, dtype=torch.int32), d, 0.7, 1.3)
     exp = R.attention(rot(qb.float()), torch.cat([pk, rot(kb.float())]),
@@ -930,11 +930,12 @@ def _preemption_run(sharp_model, prefill_from_cache: bool):
     """(tokens of all requests run together, with preemption; tokens of the same requests run
     two at a time, where nothing is preempted; preemptions counted; mean logprob)."""
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm_nvfp4kv import backend
     per_token = 2 * 2 * 2 * F.row_bytes(64)        # layers x sides x KV heads x row bytes
-    llm = _tiny_llm(model=sharp_model, load_format="auto", max_num_batched_tokens=128,
-                    max_model_len=256,
-                    kv_cache_memory_bytes=PREEMPT_BLOCKS * 16 * per_token)
+    with mock.patch.dict("os.environ",  # read when the engine builds its attention
+                         {"NVFP4KV_PREFILL_FROM_CACHE": "1" if prefill_from_cache else "0"}):
+        llm = _tiny_llm(model=sharp_model, load_format="auto", max_num_batched_tokens=128,
+                        max_model_len=256,
+                        kv_cache_memory_bytes=PREEMPT_BLOCKS * 16 * per_token)
     assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == PREEMPT_BLOCKS
     g = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": torch.randint(3, 900, (m,), generator=g).tolist()}
@@ -946,8 +947,7 @@ def _preemption_run(sharp_model, prefill_from_cache: bool):
         preempted.append(request.request_id)
         return orig(self, request, timestamp)
 
-    with mock.patch.object(Scheduler, "_preempt_request", count), \
-            mock.patch.object(backend, "PREFILL_FROM_CACHE", prefill_from_cache):
+    with mock.patch.object(Scheduler, "_preempt_request", count):
         llm.reset_prefix_cache()
         together, logprobs = _greedy(llm, prompts, PREEMPT_NEW)
         n_preempted = len(preempted)

@@ -22,28 +22,31 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, write_cache
-from vllm_nvfp4kv.kernels.rotation import rotate
 from vllm_nvfp4kv.kernels.decode import choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
-from vllm_nvfp4kv.calibration import prepare_write
+from vllm_nvfp4kv.cache_space import CacheSpace
+from vllm_nvfp4kv.calibration import k_smoothing, prepare_write
 from vllm_nvfp4kv.scales import K_OUTLIER_RATIO, check_scales, global_scales, k_outlier_ratio
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_dtype, workspace_views
 
 logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applies
-# Accuracy options (README "Accuracy options"; defaults chosen by evals/fidelity.py --sweep):
-# NVFP4KV_FOUR_OVER_SIX (default 1): per block, the scale mapping amax to 4 or 6, whichever
-#   has the smaller squared error. Same page format; only the writer changes.
-# NVFP4KV_ROTATE_K (default auto = on for power-of-two head sizes): Hadamard-rotate K, and Q
-#   with it so q.k is unchanged, before caching.
-# NVFP4KV_ROTATE_V (default 0): also rotate V, and rotate the attention output back.
-FOUR_OVER_SIX = os.environ.get("NVFP4KV_FOUR_OVER_SIX", "1") == "1"
-ROTATE_K = os.environ.get("NVFP4KV_ROTATE_K", "auto")
-ROTATE_V = os.environ.get("NVFP4KV_ROTATE_V", "0") == "1"
-# NVFP4KV_PREFILL_FROM_CACHE (default 0): prefill attends over the chunk's own K/V as read back
-#   from the cache instead of the exact values (the seed design), so that a prefix-cache hit
-#   on the same tokens later computes exactly the same thing (identical requests give
-#   identical greedy outputs with prefix caching on), at some accuracy cost.
-PREFILL_FROM_CACHE = os.environ.get("NVFP4KV_PREFILL_FROM_CACHE", "0") == "1"
+def options() -> dict:
+    """The backend's options, read from the environment when an engine builds its layers.
+    Accuracy (README "Accuracy options"; defaults chosen by evals/fidelity.py --variants):
+    NVFP4KV_FOUR_OVER_SIX (default 1): per block, the scale mapping amax to 4 or 6, whichever
+      has the smaller squared error. Same page format; only the writer changes.
+    NVFP4KV_ROTATE_K (default auto = on for power-of-two head sizes, off for layers with K
+      smoothing): Hadamard-rotate K, and Q with it so q.k is unchanged, before caching.
+    NVFP4KV_ROTATE_V (default 0): also rotate V, and rotate the attention output back.
+    NVFP4KV_PREFILL_FROM_CACHE (default 0): prefill attends over the chunk's own K/V as read
+      back from the cache instead of the exact values (the seed design), so that a prefix-cache
+      hit on the same tokens later computes exactly the same thing (identical requests give
+      identical greedy outputs with prefix caching on), at some accuracy cost."""
+    env = os.environ.get
+    return {"four_over_six": env("NVFP4KV_FOUR_OVER_SIX", "1") == "1",
+            "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
+            "rotate_v": env("NVFP4KV_ROTATE_V", "0") == "1",
+            "prefill_from_cache": env("NVFP4KV_PREFILL_FROM_CACHE", "0") == "1"}
 
 
 class NvFp4AttentionBackend(AttentionBackend):
@@ -170,6 +173,7 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         self.window = getattr(kv_cache_spec, "sliding_window", None)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.capacity = workspace_capacity(vllm_config, self.window)
+        self.prefill_from_cache = options()["prefill_from_cache"]
         workspace_views(self.capacity, self.num_kv_heads, self.head_size,
                         workspace_dtype(vllm_config.model_config.dtype),
                         device)  # reserve before capture
@@ -187,7 +191,7 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
                 seq_lens_cpu = cam.seq_lens.cpu()
             plan = plan_prefill(cam.query_start_loc_cpu, seq_lens_cpu, num_decodes,
                                 num_decodes + num_prefills, self.capacity, self.window,
-                                self.device, PREFILL_FROM_CACHE)
+                                self.device, self.prefill_from_cache)
         # split count from the batch shape only: valid for every replay of a captured graph
         splits = choose_num_splits(max(num_decodes, 1), self.num_kv_heads, self.max_model_len,
                                    self.device)
@@ -252,12 +256,17 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                 "NVFP4 KV cache (vllm-nvfp4kv) does not support " + ", ".join(refuse)
                 + ". Use --kv-cache-dtype fp8 or auto for this model.")
         fmt.check_head_dim(head_size)
+        opts = options()
         pow2 = head_size & (head_size - 1) == 0
-        if (ROTATE_K == "1" or ROTATE_V) and not pow2:
+        if (opts["rotate_k"] == "1" or opts["rotate_v"]) and not pow2:
             raise ValueError(f"NVFP4KV_ROTATE_K/V=1 need a power-of-two head_size, got "
                              f"{head_size}; unset them for this model")
-        self.rotate_k = ROTATE_K == "1" or (ROTATE_K == "auto" and pow2)
-        self.rotate_v = ROTATE_V
+        self.four_over_six = opts["four_over_six"]
+        self.rotate_k_option = opts["rotate_k"]
+        # what the cache stores; K smoothing joins at the layer's first eager write
+        self.space = CacheSpace(rotate_k=opts["rotate_k"] == "1" or (
+            opts["rotate_k"] == "auto" and pow2), rotate_v=opts["rotate_v"])
+        self._space_ready = False
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.window = sliding_window
@@ -280,25 +289,42 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         k_scale, v_scale = global_scales(layer)
         t = slot_mapping.shape[0]
         key, value = key[:t], value[:t]
-        if not self._outliers_checked and not (key.is_cuda
-                                               and torch.cuda.is_current_stream_capturing()):
-            self._check_k_outliers(layer, key, slot_mapping)
-        if self.rotate_k:
-            key = rotate(key)
-        if self.rotate_v:
-            value = rotate(value)
+        eager = not (key.is_cuda and torch.cuda.is_current_stream_capturing())
+        if eager and not self._space_ready:
+            self._init_space(layer, key)
+        if eager and not self._outliers_checked:
+            self._check_k_outliers(layer, self.space.smoothed_key(key), slot_mapping)
+        key, value = self.space.key(key), self.space.value(value)
         prepare_write(layer, key, value, slot_mapping)  # calibration: may fix k/v_scale first
         # once, at the first write outside graph capture (a host read of the two scalars)
-        if not self._checked and not (kv_cache.is_cuda
-                                      and torch.cuda.is_current_stream_capturing()):
+        if eager and not self._checked:
             check_scales(getattr(layer, "layer_name", "?"), float(k_scale), float(v_scale))
             self._checked = True
         write = write_cache if kv_cache.is_cuda else reference.write_cache
-        write(kv_cache, key, value, slot_mapping, k_scale, v_scale, FOUR_OVER_SIX)
+        write(kv_cache, key, value, slot_mapping, k_scale, v_scale, self.four_over_six)
+
+    def _init_space(self, layer, key) -> None:
+        """At the layer's first eager write (before any CUDA graph capture): K smoothing from
+        the scales file, which replaces the rotation of K (rotating smoothed keys undoes the
+        smoothing, README)."""
+        self._space_ready = True
+        s = k_smoothing(layer, key.device)
+        if s is None:
+            return
+        if s.shape != (self.num_kv_heads, self.head_size):
+            raise ValueError(f"NVFP4KV_SCALES_FILE: K smoothing of layer "
+                             f"{getattr(layer, 'layer_name', '?')} has shape {tuple(s.shape)}, "
+                             f"expected ({self.num_kv_heads}, {self.head_size})")
+        if self.rotate_k_option == "1":
+            raise ValueError("NVFP4KV_ROTATE_K=1 and a scales file with K smoothing exclude "
+                             "each other: unset NVFP4KV_ROTATE_K")
+        self.space.rotate_k = False
+        self.space.set_smoothing(s, self.num_heads, key.dtype)
 
     def _check_k_outliers(self, layer, key, slot_mapping) -> None:
-        """Once per layer, at its first batch of real tokens: warn when K has outlier channels
-        that 4-bit blocks of 16 cannot hold (the model will lose accuracy badly)."""
+        """Once per layer, at its first batch of real tokens: warn when K (smoothed, if it
+        is) has outlier channels that 4-bit blocks of 16 cannot hold (the model will lose
+        accuracy badly)."""
         ratio = k_outlier_ratio(key, slot_mapping)
         if ratio is None:  # dummy / warm-up batch (all slots padded)
             return
@@ -308,7 +334,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                 "NVFP4 KV cache: layer %s has K outlier channels (max/median channel amax "
                 "%.0f > %.0f, e.g. a k_proj bias as in Qwen2): each 16-value block holding one "
                 "rounds its other values to 0 and accuracy collapses (README, Qwen2.5 "
-                "fidelity). Use --kv-cache-dtype fp8 for this model.",
+                "fidelity). Calibrate K smoothing (python -m vllm_nvfp4kv.calibration "
+                "--smooth-k, then NVFP4KV_SCALES_FILE) or use --kv-cache-dtype fp8.",
                 getattr(layer, "layer_name", "?"), ratio, K_OUTLIER_RATIO)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -328,11 +355,10 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         out = output[:n].view(-1, self.num_heads, self.head_size)
         k_scale, v_scale = global_scales(layer)
         nd = md.num_decode_tokens
-        if md.num_decodes:  # the cache holds rotated keys: rotating q keeps q.k unchanged
-            self._decode(rotate(q[:nd]) if self.rotate_k else q[:nd], kv_cache, md, out[:nd],
-                         k_scale, v_scale)
-            if self.rotate_v:  # attention over rotated V gives the output rotated: H is its
-                out[:nd] = rotate(out[:nd])  # own inverse
+        if md.num_decodes:  # q in the cache's space: q.k as the model's
+            self._decode(self.space.query(q[:nd]), kv_cache, md, out[:nd], k_scale, v_scale)
+            if self.space.rotate_v:
+                out[:nd] = self.space.output(out[:nd])
         if md.num_prefills:
             ws_dtype = workspace_dtype(query.dtype)
             if self.fa_version is None and q.is_cuda:
@@ -349,7 +375,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             value = value[:n].view(-1, self.num_kv_heads, self.head_size)
             run_prefill(md.prefill, q, key, value, out, kv_cache, md.block_table, ws_k, ws_v,
                         k_scale, v_scale, self.scale, self.window, self.softcap, self.sinks,
-                        self.fa_version, self.rotate_k, self.rotate_v)
+                        self.fa_version, self.space)
         return output
 
     def _decode(self, q, kv_cache, md, out, k_scale, v_scale):

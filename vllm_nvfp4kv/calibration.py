@@ -32,8 +32,15 @@ when the layer's device flag is set, and calibrates from the replayed batch if a
 is the first real write (a first batch of one-token prompts). Pages keep the scale they were
 written with; the scale never changes once set.
 
-``NVFP4KV_CALIBRATE=collect`` records the running amax of every layer's K/V on the device (no
-sync) for the offline command, which reads it back with ``LLM.apply_model``.
+``NVFP4KV_CALIBRATE=collect`` records the running amax of every layer's K/V (and of each K
+channel) on the device (no sync) for the offline command, which reads it back with
+``LLM.apply_model``.
+
+K smoothing (``--smooth-k``, README "Accuracy options"): the offline command also writes, per
+layer, per-channel power-of-two divisors [Hkv, D] (``scales.k_smoothing_factors``) under
+``"_k_smooth"``; the K global scale is then the rule applied to the smoothed K's amax. Layers
+of a file with K smoothing cache K / s and multiply the queries that read the cache by s
+(``cache_space.py``), whatever the source of their global scales.
 """
 from __future__ import annotations
 
@@ -51,6 +58,7 @@ import torch
 from .kernels.format import E2M1_MAX, E4M3_MAX
 from .kernels.global_scale import calibrate_global_scales
 from .kernels.reference import masked_amax, scale_from_amax  # the rule, in plain torch
+from .scales import k_smoothing_factors
 
 RANGE = E2M1_MAX * E4M3_MAX        # 2688: the largest |value| a block can hold at g = 1
 ONLINE_HEADROOM = 64.0
@@ -107,6 +115,8 @@ def load_scales_file(path: str) -> dict[str, tuple[float, float]]:
         out[name] = (k, v)
     meta = raw.get("_meta", {})
     for opt in ("NVFP4KV_ROTATE_K", "NVFP4KV_ROTATE_V"):
+        if opt == "NVFP4KV_ROTATE_K" and raw.get("_k_smooth"):
+            continue  # smoothed layers never rotate K (the backend enforces it)
         want = meta.get(opt)
         if want is not None and want != os.environ.get(opt, _ROTATE_DEFAULTS[opt]):
             _log("rot" + opt, "NVFP4 KV: %s was calibrated with %s=%s but runs with %s; K/V "
@@ -115,8 +125,21 @@ def load_scales_file(path: str) -> dict[str, tuple[float, float]]:
     return out
 
 
+def load_k_smoothing(path: str) -> dict[str, torch.Tensor]:
+    """{layer_name: K smoothing divisors [Hkv, D] fp32} of a scales file (none: {})."""
+    out = {}
+    for name, s in json.loads(Path(path).read_text()).get("_k_smooth", {}).items():
+        t = torch.tensor(s, dtype=torch.float32)
+        if t.dim() != 2 or not (torch.isfinite(t).all() and (t >= 1).all()):
+            raise ValueError(f"{path}: _k_smooth[{name}]: expected [kv_heads][head_size] "
+                             "finite divisors >= 1")
+        out[name] = t
+    return out
+
+
 _ROTATE_DEFAULTS = {"NVFP4KV_ROTATE_K": "auto", "NVFP4KV_ROTATE_V": "0"}
 _files: dict[str, dict] = {}
+_smoothing: dict[str, dict] = {}
 
 
 def _file_scales(path: str) -> dict[str, tuple[float, float]]:
@@ -125,20 +148,45 @@ def _file_scales(path: str) -> dict[str, tuple[float, float]]:
     return _files[path]
 
 
+def k_smoothing(layer, device) -> torch.Tensor | None:
+    """The layer's K smoothing divisors [Hkv, D] from NVFP4KV_SCALES_FILE on device, or None.
+    Read at the layer's first eager write (a host-to-device copy: never while capturing)."""
+    path = settings()["file"]
+    if not path:
+        return None
+    if path not in _smoothing:
+        _file_scales(path)  # the file's checks and messages first
+        _smoothing[path] = load_k_smoothing(path)
+    s = _smoothing[path].get(getattr(layer, "layer_name", "?"))
+    return None if s is None else s.to(device)
+
+
 def _natural(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def write_scales_file(path: str, amax: dict[str, list[float]], headroom: float,
-                      meta: dict | None = None) -> dict:
-    """Scales from per-layer [amax_k, amax_v] by the rule; written as JSON and returned."""
+                      meta: dict | None = None,
+                      k_channel_amax: dict[str, torch.Tensor] | None = None) -> dict:
+    """Scales from per-layer [amax_k, amax_v] by the rule; written as JSON and returned.
+    k_channel_amax {layer: [Hkv, D]} (unrotated K): also K smoothing, and the K scales from
+    the smoothed amax."""
     out: dict = {}
+    amax = {k: list(v) for k, v in amax.items()}
+    smooth = {}
+    for name, a in (k_channel_amax or {}).items():
+        smooth[name] = k_smoothing_factors(a)
+        amax[name][0] = float((a.float() / smooth[name]).max())
     for name in sorted(amax, key=_natural):
         ak, av = amax[name]
         out[name] = [scale_from_amax_float(ak, headroom) if ak > 0 else 1.0,
                      scale_from_amax_float(av, headroom) if av > 0 else 1.0]
     out["_meta"] = {"rule": "2**ceil(log2(headroom * amax / (6 * 448)))", "headroom": headroom,
                     "amax": {k: amax[k] for k in sorted(amax, key=_natural)}, **(meta or {})}
+    if smooth:
+        out["_meta"]["k_smooth_rule"] = ("per RoPE pair of each KV head: 2**round(log2(max(1, "
+                                         "amax / median amax))); amax above: of K / s")
+        out["_k_smooth"] = {k: smooth[k].tolist() for k in sorted(smooth, key=_natural)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1))
     return out
@@ -158,6 +206,7 @@ class LayerCalibration:
         # device running amax [k, v] and real tokens seen (collect)
         self.amax = torch.zeros(2, dtype=torch.float32, device=device) if collect else None
         self.tokens = torch.zeros((), dtype=torch.int64, device=device) if collect else None
+        self.k_channel_amax = None  # [H, D] running per-channel amax of K (collect)
 
 
 def _host_scales(layer) -> tuple[float, float]:
@@ -250,6 +299,9 @@ def prepare_write(layer, key: torch.Tensor, value: torch.Tensor,
         torch.maximum(st.amax, torch.stack((masked_amax(key, valid), masked_amax(value, valid))),
                       out=st.amax)
         st.tokens += valid.sum()
+        chan = _channel_amax(key, valid)
+        st.k_channel_amax = chan if st.k_channel_amax is None else torch.maximum(
+            st.k_channel_amax, chan)
     if not st.online:
         return
     flag_k, flag_v, n = torch.cat((st.flag, valid.sum().reshape(1).int())).tolist()  # sync
@@ -275,6 +327,13 @@ def prepare_write(layer, key: torch.Tensor, value: torch.Tensor,
              getattr(layer, "layer_name", "?"), ", ".join(fixed), level="debug")
 
 
+def _channel_amax(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """max |x| per channel [H, D] over the rows of x [T, H, D] where valid; NaN/Inf count 0."""
+    a = x.detach().abs().float()
+    keep = torch.isfinite(a) & valid[:, None, None]
+    return torch.where(keep, a, torch.zeros((), device=a.device)).amax(0)
+
+
 # ------------------------------------------------------------------ CUDA-graph guard
 def guard_update(layer, st: LayerCalibration, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -286,22 +345,28 @@ def guard_update(layer, st: LayerCalibration, key: torch.Tensor, value: torch.Te
 
 
 # ------------------------------------------------------------------ offline command
-def collected(model) -> dict[str, list[float]]:
-    """For ``LLM.apply_model``: {layer_name: [amax_k, amax_v, tokens]} of collect mode."""
+def collected(model) -> dict[str, list]:
+    """For ``LLM.apply_model``: {layer_name: [amax_k, amax_v, tokens, K channel amax
+    [H][D]]} of collect mode."""
     out = {}
     for mod in model.modules():
         st = getattr(mod, _ATTR, None)
         if st is not None and st.amax is not None:
-            out[getattr(mod, "layer_name", "?")] = st.amax.tolist() + [int(st.tokens)]
+            chan = [] if st.k_channel_amax is None else st.k_channel_amax.tolist()
+            out[getattr(mod, "layer_name", "?")] = st.amax.tolist() + [int(st.tokens), chan]
     return out
 
 
 def calibrate(model: str, texts: list[str], out: str, headroom: float = OFFLINE_HEADROOM,
-              max_model_len: int = 2048, **llm_kwargs) -> dict:
+              max_model_len: int = 2048, smooth_k: bool = False, **llm_kwargs) -> dict:
     """Run texts through the model (kv_cache_dtype nvfp4, each text prefilled in one piece, so
-    attention sees exact K/V), record every layer's K/V amax, write the scales file."""
+    attention sees exact K/V), record every layer's K/V amax, write the scales file.
+    smooth_k: also per-channel K smoothing (K recorded unrotated: smoothed layers do not
+    rotate K)."""
     os.environ["NVFP4KV_CALIBRATE"] = "collect"
     os.environ.pop("NVFP4KV_SCALES_FILE", None)
+    if smooth_k:
+        os.environ["NVFP4KV_ROTATE_K"] = "0"
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's callable
     from vllm import LLM, SamplingParams
     llm = LLM(model=model, kv_cache_dtype="nvfp4", max_model_len=max_model_len,
@@ -312,19 +377,23 @@ def calibrate(model: str, texts: list[str], out: str, headroom: float = OFFLINE_
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     per_rank = llm.apply_model(collected)
     amax: dict[str, list[float]] = {}
+    chan: dict[str, torch.Tensor] = {}
     tokens = 0
-    for rank in per_rank:  # tensor parallel: the max over ranks
-        for name, (ak, av, n) in rank.items():
+    for rank in per_rank:  # tensor parallel: each rank holds its own heads
+        for name, (ak, av, n, c) in rank.items():
             old = amax.get(name, [0.0, 0.0])
             amax[name] = [max(old[0], ak), max(old[1], av)]
             tokens = max(tokens, n)
+            if smooth_k:
+                chan[name] = torch.cat([chan[name], torch.tensor(c)]) if name in chan \
+                    else torch.tensor(c)
     if not amax:
         raise RuntimeError("no layer recorded K/V: is the model served by the NVFP4 backend?")
     meta = {"model": model, "texts": len(texts), "tokens": tokens,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             **{k: os.environ.get(k, d) for k, d in _ROTATE_DEFAULTS.items()}}
     del llm
-    return write_scales_file(out, amax, headroom, meta)
+    return write_scales_file(out, amax, headroom, meta, chan or None)
 
 
 def read_texts(path: str) -> list[str]:
@@ -348,10 +417,15 @@ def main(argv=None):
     ap.add_argument("--headroom", type=float, default=OFFLINE_HEADROOM)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--smooth-k", action="store_true",
+                    help="also per-channel K smoothing (models whose K has outlier channels, "
+                         "e.g. Qwen2's k_proj bias; the backend warns about them)")
     args = ap.parse_args(argv)
     res = calibrate(args.model, read_texts(args.texts), args.out, args.headroom,
-                    args.max_model_len, tensor_parallel_size=args.tensor_parallel_size)
-    print(f"wrote {args.out}: {len(res) - 1} layers, {res['_meta']['tokens']} tokens")
+                    args.max_model_len, args.smooth_k,
+                    tensor_parallel_size=args.tensor_parallel_size)
+    print(f"wrote {args.out}: {len([k for k in res if not k.startswith('_')])} layers, "
+          f"{res['_meta']['tokens']} tokens{', K smoothing' if '_k_smooth' in res else ''}")
 
 
 if __name__ == "__main__":

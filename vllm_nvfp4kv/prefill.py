@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_nvfp4kv.dense_attention import dense_attention, merge_lse, to_fp8
+from vllm_nvfp4kv.cache_space import CacheSpace
 from vllm_nvfp4kv.kernels import gather_cache, reference
-from vllm_nvfp4kv.kernels.rotation import rotate
 from vllm_nvfp4kv.workspace import FP8_DIV
 
 
@@ -194,11 +194,11 @@ def _fp8_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws_k, ws_v,
                 k_scale, v_scale, scale, window, softcap, sinks, fa_version,
-                rotate_k: bool = False, rotate_v: bool = False) -> None:
-    """Attention of the prefill query rows (per-layer; only launches). q, key, value, out
-    unrotated; rotate_k / rotate_v: the cache holds rotated K / V (Hadamard), so where it is
-    read, q and the chunk's K (V) are rotated alike and the output rotated back. Path 1
-    reads no cache: it attends the exact K/V as they are (same q.k, same output)."""
+                space: CacheSpace = CacheSpace()) -> None:
+    """Attention of the prefill query rows (per-layer; only launches). q, key, value, out as
+    the model has them; space: what the cache stores instead (smoothed / rotated K, rotated
+    V), so where it is read, q and the chunk's K/V are transformed alike and the output taken
+    back. Path 1 reads no cache: it attends the exact K/V as they are."""
     d = q.shape[-1]
     # The step's exact K/V as the cache stores them (NaN -> 0, +-Inf -> finite): varlen FA
     # reads K/V tiles across sequence boundaries and zeroes the masked scores, so a NaN or
@@ -215,10 +215,9 @@ def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws
         else:                   # path 2: cached prefixes + chunk in the workspace
             gather_into(kv_cache, block_table[rnd.r0:rnd.r1], rnd.cu_ctx, rnd.ctx_starts,
                         rnd.ctx_dst, ws_k, ws_v, k_scale, v_scale, rnd.max_ctx, d)
-            qs = rotate(qs) if rotate_k else qs
+            qs = space.query(qs)
             if rnd.chunk_dst is not None:  # the chunk's exact K/V join the prefix
-                kc, vc = key[rnd.t0:rnd.t1], value[rnd.t0:rnd.t1]
-                kc, vc = rotate(kc) if rotate_k else kc, rotate(vc) if rotate_v else vc
+                kc, vc = space.key(key[rnd.t0:rnd.t1]), space.value(value[rnd.t0:rnd.t1])
                 if fp8:
                     kc, vc = to_fp8(kc, k_div), to_fp8(vc, v_div)
                 _put_rows(ws_k, rnd.chunk_dst, kc)
@@ -230,22 +229,20 @@ def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws
         dense_attention(qs, k, v, os, rnd.cu_q, rnd.cu_k, rnd.max_q, rnd.max_k, scale, True,
                         window, softcap, sinks, fa_version, rnd.cu_q_cpu, rnd.cu_k_cpu,
                         descale=descale)
-        if rnd.ws_tokens and rotate_v:
-            os.copy_(rotate(os))
+        if rnd.ws_tokens and space.rotate_v:
+            os.copy_(space.output(os))
     for lp in plan.long:
         _run_long(lp, q, key, value, out, kv_cache, block_table, ws_k, ws_v, k_scale, v_scale,
-                  scale, softcap, sinks, fa_version, rotate_k, rotate_v)
+                  scale, softcap, sinks, fa_version, space)
 
 
 def _run_long(lp, q, key, value, out, kv_cache, block_table, ws_k, ws_v, k_scale, v_scale,
-              scale, softcap, sinks, fa_version, rotate_k, rotate_v) -> None:
+              scale, softcap, sinks, fa_version, space: CacheSpace) -> None:
     """Prefix pieces (all keys precede all queries: no mask) and the chunk itself (causal,
-    with the sinks), merged by LSE. Rotations as in run_prefill."""
-    qs, q_len, d = q[lp.t0:lp.t1], lp.t1 - lp.t0, q.shape[-1]
+    with the sinks), merged by LSE, all in the cache's space (run_prefill)."""
+    qs, q_len, d = space.query(q[lp.t0:lp.t1]), lp.t1 - lp.t0, q.shape[-1]
     t = lp.tensors
-    k, v = key[lp.t0:lp.t1], value[lp.t0:lp.t1]
-    qs = rotate(qs) if rotate_k else qs
-    k, v = rotate(k) if rotate_k else k, rotate(v) if rotate_v else v
+    k, v = space.key(key[lp.t0:lp.t1]), space.value(value[lp.t0:lp.t1])
     if lp.chunk_from_cache:
         gather_into(kv_cache, block_table[lp.r:lp.r + 1], t["cu_q"], t["chunk_start"],
                     t["cu_q"][:1], ws_k, ws_v, k_scale, v_scale, q_len, d)
@@ -271,4 +268,4 @@ def _run_long(lp, q, key, value, out, kv_cache, block_table, ws_k, ws_v, k_scale
                                False, None, softcap, None, fa_version, t["cu_q_cpu"], cu_k_cpu,
                                return_lse=True, descale=descale)
         acc, lse = merge_lse(acc, lse, part, plse)
-    out[lp.t0:lp.t1] = rotate(acc.to(out.dtype)) if rotate_v else acc.to(out.dtype)
+    out[lp.t0:lp.t1] = space.output(acc.to(out.dtype))

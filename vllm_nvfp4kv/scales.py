@@ -51,3 +51,13 @@ def rope_pair_amax(amax: torch.Tensor) -> torch.Tensor:
     pair's two channels into each other, so only the pair's magnitude is position-free."""
     half = amax.shape[-1] // 2
     return torch.maximum(amax[..., :half], amax[..., half:])
+
+
+def k_smoothing_factors(k_amax: torch.Tensor) -> torch.Tensor:
+    """Per-channel K divisors [H, D] from a layer's per-channel |K| amax [H, D] (calibration):
+    each RoPE pair's amax over the head's median pair amax, at least 1, rounded to the nearest
+    power of two (K / s and q * s stay exact in BF16). Outlier channels come down to the
+    median's level; the others keep s = 1 (ratios below sqrt(2))."""
+    a = rope_pair_amax(k_amax.float())
+    ratio = a / a.median(-1, keepdim=True).values.clamp_min(1e-30)
+    return torch.exp2(torch.round(torch.log2(ratio.clamp_min(1.0)))).repeat(1, 2)
