@@ -17,9 +17,9 @@ DIV16 = ("page_stride", "stride_qt", "stride_ot", "stride_bt", "stride_kt", "str
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
                       mma_k: bool = True, features: bool = False) -> dict:
     """The decode kernel's constexprs as decode_attention sets them (Llama-3-8B heads, page
-    16, 4 splits); features: softcap, sliding window and sinks on."""
+    16, several splits); features: softcap, sliding window and sinks on."""
     return dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
-                G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, NUM_SPLITS=4,
+                G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, SPLIT=True,
                 USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
                 MMA_K=mma_k and mma_k_applies(d, warps, block_n),
                 NW=warps)
@@ -33,7 +33,7 @@ def specs() -> dict:
                       out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
                       stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32",
                       stride_bt="i32", page_stride="i64", sm_scale="fp32", softcap="fp32",
-                      window="i32")
+                      window="i32", num_splits="i32")
     return {
         "write": (cache_write._write_kernel,
                   dict(key_ptr="*bf16", value_ptr="*bf16", cache_ptr=P, slot_ptr="*i64",
@@ -54,8 +54,8 @@ def specs() -> dict:
         "decode-8warps": (decode._decode_kernel, decode_sig, decode_constexprs(warps=8), 8),
         "reduce": (decode._reduce_kernel,
                    dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32",
-                        out_ptr="*bf16", stride_ot="i32", stride_oh="i32"),
-                   dict(HQ=32, D=128, D_PAD=128, NUM_SPLITS=4, S_PAD=4, HAS_SINKS=True), 4),
+                        out_ptr="*bf16", stride_ot="i32", stride_oh="i32", num_splits="i32"),
+                   dict(HQ=32, D=128, D_PAD=128, S_PAD=64, HAS_SINKS=True), 4),
         "calibrate": (global_scale._calibrate_kernel,
                       dict(key_ptr="*bf16", value_ptr="*bf16", slot_ptr="*i64",
                            k_scale_ptr="*fp32", v_scale_ptr="*fp32", flag_ptr="*i32", T="i32",

@@ -36,10 +36,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
                    sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, page_stride,
-                   sm_scale, softcap, window,
+                   sm_scale, softcap, window, num_splits,
                    H: tl.constexpr, QPK: tl.constexpr, QG_PAD: tl.constexpr, N: tl.constexpr,
                    D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   SPLIT: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr,
                    NW: tl.constexpr):
     b = tl.program_id(0)
@@ -49,7 +49,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - start, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -93,7 +93,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
 
     acc = tl.trans(acc)
     out_mult = tl.load(v_scale_ptr) * ROW_FACTOR
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + heads, mask=gq < QPK, other=float("-inf")) * LOG2E
             m_f = tl.maximum(m_i, sink)
@@ -106,7 +106,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     else:
         # partials: out [B, Hq, S, D] fp32 normalised, lse [B, Hq, S] in log2 units
         inv = tl.where(l_i > 0, out_mult / l_i, 0.0)[:, None]
-        prow = (b * (H * QPK) + heads) * NUM_SPLITS + split
+        prow = (b * (H * QPK) + heads) * num_splits + split
         tl.store(part_out_ptr + prow[:, None] * D + d[None, :], acc * inv, mask=qo_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(part_lse_ptr + prow, lse, mask=gq < QPK)
@@ -132,14 +132,14 @@ def _mma_rows(BLOCK_N: tl.constexpr, NW: tl.constexpr):
 
 @triton.jit
 def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh,
-                   HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):
+                   num_splits, HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                   S_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
-    prow = (b * HQ + h) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + prow + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
+    prow = (b * HQ + h) * num_splits
+    lse = tl.load(part_lse_ptr + prow + sp, mask=sp < num_splits, other=float("-inf"))
     m = tl.max(lse, axis=0)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h) * LOG2E
@@ -150,7 +150,7 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
     if HAS_SINKS:
         denom += tl.exp2(sink - m_safe)
     parts = tl.load(part_out_ptr + (prow + sp)[:, None] * D + d[None, :],
-                    mask=(sp < NUM_SPLITS)[:, None] & (d < D)[None, :], other=0.0)
+                    mask=(sp < num_splits)[:, None] & (d < D)[None, :], other=0.0)
     o = tl.sum(parts * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
              mask=d < D)
@@ -217,6 +217,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     mma_ok = mma_k_applies(d, num_warps, block_n)
     k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
     v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)
+    # the split count is a runtime argument (S_PAD covers up to 64): an eager mixed batch
+    # with any number of decodes reuses the compiled kernels instead of compiling new ones
     if num_splits > 1:
         part_out = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=dev)
         part_lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=dev)
@@ -226,18 +228,18 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     _decode_kernel[(bsz, hkv, num_splits)](
         q, kv_cache, block_table, seq_lens, k_scale, v_scale, sinks_arg, out, part_out,
         part_lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        kv_cache.stride(0), float(sm_scale), float(softcap), int(sliding_window or 0),
+        kv_cache.stride(0), float(sm_scale), float(softcap), int(sliding_window or 0), num_splits,
         H=hkv, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=n, D=d,
         G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm,
+        SPLIT=num_splits > 1, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm,
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
         MMA_K=mma_ok if mma_k is None else mma_k and mma_ok, NW=num_warps,
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](
-            part_out, part_lse, sinks_arg, out, out.stride(0), out.stride(1), HQ=hq, D=d,
-            D_PAD=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
-            S_PAD=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None,
+            part_out, part_lse, sinks_arg, out, out.stride(0), out.stride(1), num_splits,
+            HQ=hq, D=d, D_PAD=triton.next_power_of_2(d),
+            S_PAD=max(64, triton.next_power_of_2(num_splits)), HAS_SINKS=sinks is not None,
             num_warps=4)
     return out
