@@ -380,6 +380,8 @@ def main():
            "device": torch.cuda.get_device_name() if on_gpu else
            f"CPU ({os.cpu_count()} cores)", "versions": versions(), "model": model,
            "task": args.task, "lm_eval_task": t.name, "description": t.description,
+           # the plugin's options of this run (e.g. NVFP4KV_SCALES_FILE with K smoothing)
+           "nvfp4kv_env": {k: v for k, v in os.environ.items() if k.startswith("NVFP4KV_")},
            "metric": f"{t.metric},{t.filter}", "limit": args.limit,
            "scored_without_limit": t.scored, "prefill_chunk": chunk,
            "cache_reads_note": (

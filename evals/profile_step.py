@@ -3,7 +3,9 @@ Llama-3-8B-shaped weights, 8 layers), `batch` sequences of `ctx` prompt tokens p
 first (engine stepped by hand), then `steps` pure decode steps of all of them under
 torch.profiler; prints the kernels that take the most
 GPU time per step, grouped by name, for each dtype. Answers "the attention kernel is x% of a
-step and what else the NVFP4 path adds" (the writer, the split-KV reduce, ...).
+step and what else the NVFP4 path adds" (the writer, the split-KV reduce, ...). Before the
+profiled steps, as many pure decode steps are timed by wall clock (host work included: the
+decode throughput a server sees at this batch).
 
     python evals/profile_step.py --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \\
         --out evals/results/profile_step_h200.json
@@ -17,6 +19,7 @@ import gc
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
@@ -42,12 +45,19 @@ def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
     # those steps), then profile only steps that are pure decode of all `batch` requests.
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, sp(steps + 8))
+        engine.add_request(f"r{i}", p, sp(2 * steps + 8))
     started = set()
     while len(started) < batch:
         started |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
     engine.step()  # one more: the step that was in flight when the last prefill ended
     gpu = torch.cuda.is_available()  # on a CPU this only exercises the flow (no kernels)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    wall_us = (time.perf_counter() - t0) / steps * 1e6
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA if gpu
                                             else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
@@ -68,7 +78,8 @@ def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
-    return {"kv_dtype": kv_dtype, "gpu_us_per_decode_step": round(total, 1), "top": rows}
+    return {"kv_dtype": kv_dtype, "gpu_us_per_decode_step": round(total, 1),
+            "wall_us_per_decode_step": round(wall_us, 1), "top": rows}
 
 
 def main():
@@ -98,7 +109,8 @@ def main():
             print(f"\n{r['kv_dtype']}: {r['error']}")
             continue
         print(f"\n{r['kv_dtype']}: {r['gpu_us_per_decode_step']:.0f} us of GPU time per decode "
-              f"step (batch {args.batch}, context {args.ctx}, 8 layers)")
+              f"step, {r['wall_us_per_decode_step']:.0f} us wall (batch {args.batch}, context "
+              f"{args.ctx}, 8 layers)")
         for k in r["top"]:
             print(f"  {k['us_per_step']:>8.1f} us {100 * k['share']:>5.1f}%  {k['kernel']}")
 
