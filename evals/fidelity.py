@@ -315,6 +315,13 @@ VARIANTS["smoothing"] = [
      {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}"}),
     ("nvfp4 + smooth K (offline)", "nvfp4",
      {**_opts("0", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}"}),
+    # every key read back from the cache, the chunk's own too (as decode reads them)
+    ("nvfp4 + smooth K (offline), prefill from cache", "nvfp4",
+     {**_opts("0", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}",
+      "NVFP4KV_PREFILL_FROM_CACHE": "1"}),
+    ("nvfp4 + smooth K (offline) + 4over6, prefill from cache", "nvfp4",
+     {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}",
+      "NVFP4KV_PREFILL_FROM_CACHE": "1"}),
 ]
 
 
