@@ -31,6 +31,7 @@ def main():
     ap.add_argument("--texts", type=int, default=64, help="GSM8K rows, from the end")
     ap.add_argument("--headroom", type=float, default=None, help="default: calibration.py's 8")
     ap.add_argument("--out", default="evals/results/scales.json")
+    ap.add_argument("--center-k", action="store_true", help="also per-channel K centering")
     ap.add_argument("--smooth-k", action="store_true", help="also per-channel K smoothing")
     ap.add_argument("--study", action="store_true", help="the rule study (see above)")
     args = ap.parse_args()
@@ -46,13 +47,15 @@ def main():
     kw = dict(gpu_memory_utilization=0.5) if on_gpu else dict(kv_cache_memory_bytes=256 << 20)
     res = calibration.calibrate(model, texts, args.out,
                                 args.headroom or calibration.OFFLINE_HEADROOM,
-                                max_model_len=1024, smooth_k=args.smooth_k, block_size=16,
-                                seed=0, **kw)
+                                max_model_len=1024, center_k=args.center_k,
+                                smooth_k=args.smooth_k, block_size=16, seed=0, **kw)
     meta = res["_meta"]
     layers = len([k for k in res if not k.startswith('_')])
     print(f"wrote {args.out}: {layers} layers, {meta['texts']} texts (GSM8K rows "
           f"{len(rows) - args.texts}..{len(rows) - 1}), {meta['tokens']} tokens, "
-          f"headroom {meta['headroom']:g}{', K smoothing' if args.smooth_k else ''}")
+          f"headroom {meta['headroom']:g}"
+          + "".join(f", K {w}" for k, w in (("_k_center", "centering"),
+                                             ("_k_smooth", "smoothing")) if k in res))
 
 
 def study(model: str, texts: list[str], out: str) -> None:

@@ -27,7 +27,8 @@ prefill workspace (default) / NVFP4 with the FP8 workspace (NVFP4KV_WORKSPACE_DT
 --sweep (= --variants options): BF16, then NVFP4 with each combination of 4-over-6 and
 rotating K (and V), each row its own engine, the results file rewritten after every row.
 --variants smoothing: BF16, NVFP4 with rotate K / without, with offline global scales, and
-with per-channel K smoothing from an offline scales file (evals/calibrate.py --smooth-k).
+with per-channel K smoothing and/or centering from offline scales files (evals/calibrate.py
+--smooth-k / --center-k), with and without 4-over-6.
 On a CPU, FP8 KV needs vLLM's 'vec' attention kernel (block size a multiple of 32), so
 --variants with an FP8 row uses block size 32 there for every row (others: 16).
 """
@@ -234,7 +235,10 @@ def variants(args, model, on_gpu):
     bs = args.block_size or (32 if fp8_row and not on_gpu else 16)
     tmpdir = Path(tempfile.mkdtemp(prefix="fidelity-"))
     files = {"{scales}": (Path(args.out).with_suffix(".scales.json"), []),
-             "{smooth}": (Path(args.out).with_suffix(".smooth.json"), ["--smooth-k"])}
+             "{smooth}": (Path(args.out).with_suffix(".smooth.json"), ["--smooth-k"]),
+             "{center}": (Path(args.out).with_suffix(".center.json"), ["--center-k"]),
+             "{center+smooth}": (Path(args.out).with_suffix(".center_smooth.json"),
+                                 ["--center-k", "--smooth-k"])}
     rows, base = [], None
     clean = {k: v for k, v in os.environ.items()
              if k not in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE", "NVFP4KV_WORKSPACE_DTYPE")}
@@ -322,6 +326,14 @@ VARIANTS["smoothing"] = [
     ("nvfp4 + smooth K (offline) + 4over6, prefill from cache", "nvfp4",
      {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}",
       "NVFP4KV_PREFILL_FROM_CACHE": "1"}),
+    ("nvfp4 + center K (offline) + 4over6", "nvfp4",
+     {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{center}"}),
+    ("nvfp4 + center K (offline)", "nvfp4",
+     {**_opts("0", "0", "0"), "NVFP4KV_SCALES_FILE": "{center}"}),
+    ("nvfp4 + center + smooth K (offline) + 4over6", "nvfp4",
+     {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{center+smooth}"}),
+    ("nvfp4 + center + smooth K (offline)", "nvfp4",
+     {**_opts("0", "0", "0"), "NVFP4KV_SCALES_FILE": "{center+smooth}"}),
 ]
 
 

@@ -25,7 +25,7 @@ from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, wri
 from vllm_nvfp4kv.kernels.decode import choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.cache_space import CacheSpace
-from vllm_nvfp4kv.calibration import k_smoothing, prepare_write
+from vllm_nvfp4kv.calibration import k_transform, prepare_write
 from vllm_nvfp4kv.scales import K_OUTLIER_RATIO, check_scales, global_scales, k_outlier_ratio
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_dtype, workspace_views
 
@@ -36,7 +36,8 @@ def options() -> dict:
     NVFP4KV_FOUR_OVER_SIX (default 1): per block, the scale mapping amax to 4 or 6, whichever
       has the smaller squared error. Same page format; only the writer changes.
     NVFP4KV_ROTATE_K (default auto = on for power-of-two head sizes, off for layers with K
-      smoothing): Hadamard-rotate K, and Q with it so q.k is unchanged, before caching.
+      centering or smoothing): Hadamard-rotate K, and Q with it so q.k is unchanged, before
+      caching.
     NVFP4KV_ROTATE_V (default 0): also rotate V, and rotate the attention output back.
     NVFP4KV_PREFILL_FROM_CACHE (default 0): prefill attends over the chunk's own K/V as read
       back from the cache instead of the exact values (the seed design), so that a prefix-cache
@@ -263,7 +264,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                              f"{head_size}; unset them for this model")
         self.four_over_six = opts["four_over_six"]
         self.rotate_k_option = opts["rotate_k"]
-        # what the cache stores; K smoothing joins at the layer's first eager write
+        # what the cache stores; K centering/smoothing join at the layer's first eager write
         self.space = CacheSpace(rotate_k=opts["rotate_k"] == "1" or (
             opts["rotate_k"] == "auto" and pow2), rotate_v=opts["rotate_v"])
         self._space_ready = False
@@ -293,7 +294,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if eager and not self._space_ready:
             self._init_space(layer, key)
         if eager and not self._outliers_checked:
-            self._check_k_outliers(layer, self.space.smoothed_key(key), slot_mapping)
+            self._check_k_outliers(layer, self.space.unrotated_key(key), slot_mapping)
         key, value = self.space.key(key), self.space.value(value)
         prepare_write(layer, key, value, slot_mapping)  # calibration: may fix k/v_scale first
         # once, at the first write outside graph capture (a host read of the two scalars)
@@ -304,27 +305,36 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         write(kv_cache, key, value, slot_mapping, k_scale, v_scale, self.four_over_six)
 
     def _init_space(self, layer, key) -> None:
-        """At the layer's first eager write (before any CUDA graph capture): K smoothing from
-        the scales file, which replaces the rotation of K (rotating smoothed keys undoes the
-        smoothing, README)."""
+        """At the layer's first eager write (before any CUDA graph capture): K centering and
+        smoothing from the scales file; either replaces the rotation of K (rotating smoothed
+        keys undoes the smoothing, README)."""
         self._space_ready = True
-        s = k_smoothing(layer, key.device)
-        if s is None:
+        mu, s = k_transform(layer, key.device)
+        if mu is None and s is None:
             return
-        if s.shape != (self.num_kv_heads, self.head_size):
-            raise ValueError(f"NVFP4KV_SCALES_FILE: K smoothing of layer "
-                             f"{getattr(layer, 'layer_name', '?')} has shape {tuple(s.shape)}, "
-                             f"expected ({self.num_kv_heads}, {self.head_size})")
+        name = getattr(layer, "layer_name", "?")
+        for what, t in (("centering", mu), ("smoothing", s)):
+            if t is not None and t.shape != (self.num_kv_heads, self.head_size):
+                raise ValueError(f"NVFP4KV_SCALES_FILE: K {what} of layer {name} has shape "
+                                 f"{tuple(t.shape)}, expected ({self.num_kv_heads}, "
+                                 f"{self.head_size})")
+        if mu is not None and (self.sinks is not None or self.softcap):
+            raise ValueError(f"NVFP4KV_SCALES_FILE: layer {name} has attention sinks or a "
+                             "logit soft-cap, which K centering would change; calibrate "
+                             "without --center-k")
         if self.rotate_k_option == "1":
-            raise ValueError("NVFP4KV_ROTATE_K=1 and a scales file with K smoothing exclude "
-                             "each other: unset NVFP4KV_ROTATE_K")
+            raise ValueError("NVFP4KV_ROTATE_K=1 and a scales file with K centering or "
+                             "smoothing exclude each other: unset NVFP4KV_ROTATE_K")
         self.space.rotate_k = False
-        self.space.set_smoothing(s, self.num_heads, key.dtype)
+        if mu is not None:
+            self.space.set_center(mu, key.dtype)
+        if s is not None:
+            self.space.set_smoothing(s, self.num_heads, key.dtype)
 
     def _check_k_outliers(self, layer, key, slot_mapping) -> None:
-        """Once per layer, at its first batch of real tokens: warn when K (smoothed, if it
-        is) has outlier channels that 4-bit blocks of 16 cannot hold (the model will lose
-        accuracy badly)."""
+        """Once per layer, at its first batch of real tokens: warn when K (centered and
+        smoothed, where it is) has outlier channels that 4-bit blocks of 16 cannot hold (the
+        model will lose accuracy badly)."""
         ratio = k_outlier_ratio(key, slot_mapping)
         if ratio is None:  # dummy / warm-up batch (all slots padded)
             return
@@ -334,8 +344,9 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                 "NVFP4 KV cache: layer %s has K outlier channels (max/median channel amax "
                 "%.0f > %.0f, e.g. a k_proj bias as in Qwen2): each 16-value block holding one "
                 "rounds its other values to 0 and accuracy collapses (README, Qwen2.5 "
-                "fidelity). Calibrate K smoothing (python -m vllm_nvfp4kv.calibration "
-                "--smooth-k, then NVFP4KV_SCALES_FILE) or use --kv-cache-dtype fp8.",
+                "fidelity). Calibrate K centering and smoothing (python -m "
+                "vllm_nvfp4kv.calibration --center-k --smooth-k, then NVFP4KV_SCALES_FILE) or "
+                "use --kv-cache-dtype fp8.",
                 getattr(layer, "layer_name", "?"), ratio, K_OUTLIER_RATIO)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -32,15 +32,17 @@ when the layer's device flag is set, and calibrates from the replayed batch if a
 is the first real write (a first batch of one-token prompts). Pages keep the scale they were
 written with; the scale never changes once set.
 
-``NVFP4KV_CALIBRATE=collect`` records the running amax of every layer's K/V (and of each K
-channel) on the device (no sync) for the offline command, which reads it back with
-``LLM.apply_model``.
+``NVFP4KV_CALIBRATE=collect`` records the running amax of every layer's K/V (and each K
+channel's max and min) on the device (no sync) for the offline command, which reads it back
+with ``LLM.apply_model``.
 
-K smoothing (``--smooth-k``, README "Accuracy options"): the offline command also writes, per
-layer, per-channel power-of-two divisors [Hkv, D] (``scales.k_smoothing_factors``) under
-``"_k_smooth"``; the K global scale is then the rule applied to the smoothed K's amax. Layers
-of a file with K smoothing cache K / s and multiply the queries that read the cache by s
-(``cache_space.py``), whatever the source of their global scales.
+K centering and smoothing (``--center-k``, ``--smooth-k``; README "Accuracy options"): the
+offline command also writes, per layer, a per-channel offset mu [Hkv, D] (the mid-range
+(max + min) / 2, under ``"_k_center"``) and per-channel power-of-two divisors s [Hkv, D]
+(``scales.k_smoothing_factors`` of the centered amax, under ``"_k_smooth"``); the K global
+scale is the rule applied to the amax of (K - mu) / s. Layers named there cache (K - mu) / s
+and multiply the queries that read the cache by s (``cache_space.py``), whatever the source
+of their global scales.
 """
 from __future__ import annotations
 
@@ -115,8 +117,8 @@ def load_scales_file(path: str) -> dict[str, tuple[float, float]]:
         out[name] = (k, v)
     meta = raw.get("_meta", {})
     for opt in ("NVFP4KV_ROTATE_K", "NVFP4KV_ROTATE_V"):
-        if opt == "NVFP4KV_ROTATE_K" and raw.get("_k_smooth"):
-            continue  # smoothed layers never rotate K (the backend enforces it)
+        if opt == "NVFP4KV_ROTATE_K" and (raw.get("_k_smooth") or raw.get("_k_center")):
+            continue  # such layers never rotate K (the backend enforces it)
         want = meta.get(opt)
         if want is not None and want != os.environ.get(opt, _ROTATE_DEFAULTS[opt]):
             _log("rot" + opt, "NVFP4 KV: %s was calibrated with %s=%s but runs with %s; K/V "
@@ -125,21 +127,25 @@ def load_scales_file(path: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-def load_k_smoothing(path: str) -> dict[str, torch.Tensor]:
-    """{layer_name: K smoothing divisors [Hkv, D] fp32} of a scales file (none: {})."""
-    out = {}
-    for name, s in json.loads(Path(path).read_text()).get("_k_smooth", {}).items():
-        t = torch.tensor(s, dtype=torch.float32)
-        if t.dim() != 2 or not (torch.isfinite(t).all() and (t >= 1).all()):
-            raise ValueError(f"{path}: _k_smooth[{name}]: expected [kv_heads][head_size] "
-                             "finite divisors >= 1")
-        out[name] = t
+def load_k_transform(path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """{layer_name: {"center": mu, "smooth": s}} ([Hkv, D] fp32 each, either may be absent)
+    of a scales file (none: {})."""
+    raw = json.loads(Path(path).read_text())
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, what in (("_k_center", "center"), ("_k_smooth", "smooth")):
+        for name, vals in raw.get(key, {}).items():
+            t = torch.tensor(vals, dtype=torch.float32)
+            ok = t.dim() == 2 and bool(torch.isfinite(t).all())
+            if not ok or (what == "smooth" and not (t >= 1).all()):
+                raise ValueError(f"{path}: {key}[{name}]: expected [kv_heads][head_size] "
+                                 "finite values (divisors >= 1)")
+            out.setdefault(name, {})[what] = t
     return out
 
 
 _ROTATE_DEFAULTS = {"NVFP4KV_ROTATE_K": "auto", "NVFP4KV_ROTATE_V": "0"}
 _files: dict[str, dict] = {}
-_smoothing: dict[str, dict] = {}
+_transforms: dict[str, dict] = {}
 
 
 def _file_scales(path: str) -> dict[str, tuple[float, float]]:
@@ -148,17 +154,18 @@ def _file_scales(path: str) -> dict[str, tuple[float, float]]:
     return _files[path]
 
 
-def k_smoothing(layer, device) -> torch.Tensor | None:
-    """The layer's K smoothing divisors [Hkv, D] from NVFP4KV_SCALES_FILE on device, or None.
-    Read at the layer's first eager write (a host-to-device copy: never while capturing)."""
+def k_transform(layer, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The layer's K centering offsets and smoothing divisors ([Hkv, D] each, on device, or
+    None) from NVFP4KV_SCALES_FILE. Read at the layer's first eager write (a host-to-device
+    copy: never while capturing)."""
     path = settings()["file"]
     if not path:
-        return None
-    if path not in _smoothing:
+        return None, None
+    if path not in _transforms:
         _file_scales(path)  # the file's checks and messages first
-        _smoothing[path] = load_k_smoothing(path)
-    s = _smoothing[path].get(getattr(layer, "layer_name", "?"))
-    return None if s is None else s.to(device)
+        _transforms[path] = load_k_transform(path)
+    t = _transforms[path].get(getattr(layer, "layer_name", "?"), {})
+    return tuple(t[w].to(device) if w in t else None for w in ("center", "smooth"))
 
 
 def _natural(name: str) -> list:
@@ -167,26 +174,39 @@ def _natural(name: str) -> list:
 
 def write_scales_file(path: str, amax: dict[str, list[float]], headroom: float,
                       meta: dict | None = None,
-                      k_channel_amax: dict[str, torch.Tensor] | None = None) -> dict:
+                      k_range: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                      center: bool = False, smooth: bool = False) -> dict:
     """Scales from per-layer [amax_k, amax_v] by the rule; written as JSON and returned.
-    k_channel_amax {layer: [Hkv, D]} (unrotated K): also K smoothing, and the K scales from
-    the smoothed amax."""
+    k_range {layer: (max, min)} per K channel [Hkv, D] (unrotated K), with center / smooth:
+    also K centering / smoothing, and the K scales from the amax of (K - mu) / s."""
     out: dict = {}
     amax = {k: list(v) for k, v in amax.items()}
-    smooth = {}
-    for name, a in (k_channel_amax or {}).items():
-        smooth[name] = k_smoothing_factors(a)
-        amax[name][0] = float((a.float() / smooth[name]).max())
+    mus, divs = {}, {}
+    for name, (hi, lo) in (k_range or {}).items() if center or smooth else ():
+        hi, lo = hi.float(), lo.float()
+        mu = (hi + lo) / 2 if center else torch.zeros_like(hi)
+        a = torch.maximum(hi - mu, mu - lo)  # |K - mu| amax per channel
+        s = k_smoothing_factors(a) if smooth else torch.ones_like(a)
+        amax[name][0] = float((a / s).max())
+        if center:
+            mus[name] = mu
+        if smooth:
+            divs[name] = s
     for name in sorted(amax, key=_natural):
         ak, av = amax[name]
         out[name] = [scale_from_amax_float(ak, headroom) if ak > 0 else 1.0,
                      scale_from_amax_float(av, headroom) if av > 0 else 1.0]
     out["_meta"] = {"rule": "2**ceil(log2(headroom * amax / (6 * 448)))", "headroom": headroom,
                     "amax": {k: amax[k] for k in sorted(amax, key=_natural)}, **(meta or {})}
-    if smooth:
+    if mus:
+        out["_meta"]["k_center_rule"] = "per channel of each KV head: (max + min) / 2"
+        out["_k_center"] = {k: mus[k].tolist() for k in sorted(mus, key=_natural)}
+    if divs:
         out["_meta"]["k_smooth_rule"] = ("per RoPE pair of each KV head: 2**round(log2(max(1, "
-                                         "amax / median amax))); amax above: of K / s")
-        out["_k_smooth"] = {k: smooth[k].tolist() for k in sorted(smooth, key=_natural)}
+                                         "amax / median amax))) of K - mu")
+        out["_k_smooth"] = {k: divs[k].tolist() for k in sorted(divs, key=_natural)}
+    if mus or divs:
+        out["_meta"]["amax_k_note"] = "amax of (K - mu) / s"
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1))
     return out
@@ -206,7 +226,7 @@ class LayerCalibration:
         # device running amax [k, v] and real tokens seen (collect)
         self.amax = torch.zeros(2, dtype=torch.float32, device=device) if collect else None
         self.tokens = torch.zeros((), dtype=torch.int64, device=device) if collect else None
-        self.k_channel_amax = None  # [H, D] running per-channel amax of K (collect)
+        self.k_max = self.k_min = None  # [H, D] running per-channel max / min of K (collect)
 
 
 def _host_scales(layer) -> tuple[float, float]:
@@ -299,9 +319,9 @@ def prepare_write(layer, key: torch.Tensor, value: torch.Tensor,
         torch.maximum(st.amax, torch.stack((masked_amax(key, valid), masked_amax(value, valid))),
                       out=st.amax)
         st.tokens += valid.sum()
-        chan = _channel_amax(key, valid)
-        st.k_channel_amax = chan if st.k_channel_amax is None else torch.maximum(
-            st.k_channel_amax, chan)
+        hi, lo = _channel_range(key, valid)
+        st.k_max = hi if st.k_max is None else torch.maximum(st.k_max, hi)
+        st.k_min = lo if st.k_min is None else torch.minimum(st.k_min, lo)
     if not st.online:
         return
     flag_k, flag_v, n = torch.cat((st.flag, valid.sum().reshape(1).int())).tolist()  # sync
@@ -327,11 +347,15 @@ def prepare_write(layer, key: torch.Tensor, value: torch.Tensor,
              getattr(layer, "layer_name", "?"), ", ".join(fixed), level="debug")
 
 
-def _channel_amax(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """max |x| per channel [H, D] over the rows of x [T, H, D] where valid; NaN/Inf count 0."""
-    a = x.detach().abs().float()
-    keep = torch.isfinite(a) & valid[:, None, None]
-    return torch.where(keep, a, torch.zeros((), device=a.device)).amax(0)
+def _channel_range(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, min) per channel [H, D] over the rows of x [T, H, D] where valid, NaN/Inf
+    ignored (0 where a channel has no finite valid value)."""
+    x = x.detach().float()
+    keep = torch.isfinite(x) & valid[:, None, None]
+    inf = torch.tensor(float("inf"), device=x.device)
+    hi = torch.where(keep, x, -inf).amax(0)
+    lo = torch.where(keep, x, inf).amin(0)
+    return (torch.where(torch.isfinite(hi), hi, 0.0), torch.where(torch.isfinite(lo), lo, 0.0))
 
 
 # ------------------------------------------------------------------ CUDA-graph guard
@@ -346,26 +370,27 @@ def guard_update(layer, st: LayerCalibration, key: torch.Tensor, value: torch.Te
 
 # ------------------------------------------------------------------ offline command
 def collected(model) -> dict[str, list]:
-    """For ``LLM.apply_model``: {layer_name: [amax_k, amax_v, tokens, K channel amax
-    [H][D]]} of collect mode."""
+    """For ``LLM.apply_model``: {layer_name: [amax_k, amax_v, tokens, K channel max [H][D],
+    K channel min [H][D]]} of collect mode."""
     out = {}
     for mod in model.modules():
         st = getattr(mod, _ATTR, None)
         if st is not None and st.amax is not None:
-            chan = [] if st.k_channel_amax is None else st.k_channel_amax.tolist()
-            out[getattr(mod, "layer_name", "?")] = st.amax.tolist() + [int(st.tokens), chan]
+            rng = [[], []] if st.k_max is None else [st.k_max.tolist(), st.k_min.tolist()]
+            out[getattr(mod, "layer_name", "?")] = st.amax.tolist() + [int(st.tokens), *rng]
     return out
 
 
 def calibrate(model: str, texts: list[str], out: str, headroom: float = OFFLINE_HEADROOM,
-              max_model_len: int = 2048, smooth_k: bool = False, **llm_kwargs) -> dict:
+              max_model_len: int = 2048, center_k: bool = False, smooth_k: bool = False,
+              **llm_kwargs) -> dict:
     """Run texts through the model (kv_cache_dtype nvfp4, each text prefilled in one piece, so
     attention sees exact K/V), record every layer's K/V amax, write the scales file.
-    smooth_k: also per-channel K smoothing (K recorded unrotated: smoothed layers do not
-    rotate K)."""
+    center_k / smooth_k: also per-channel K centering / smoothing (K recorded unrotated: such
+    layers do not rotate K)."""
     os.environ["NVFP4KV_CALIBRATE"] = "collect"
     os.environ.pop("NVFP4KV_SCALES_FILE", None)
-    if smooth_k:
+    if center_k or smooth_k:
         os.environ["NVFP4KV_ROTATE_K"] = "0"
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's callable
     from vllm import LLM, SamplingParams
@@ -377,23 +402,24 @@ def calibrate(model: str, texts: list[str], out: str, headroom: float = OFFLINE_
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
     per_rank = llm.apply_model(collected)
     amax: dict[str, list[float]] = {}
-    chan: dict[str, torch.Tensor] = {}
+    k_range: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     tokens = 0
     for rank in per_rank:  # tensor parallel: each rank holds its own heads
-        for name, (ak, av, n, c) in rank.items():
+        for name, (ak, av, n, hi, lo) in rank.items():
             old = amax.get(name, [0.0, 0.0])
             amax[name] = [max(old[0], ak), max(old[1], av)]
             tokens = max(tokens, n)
-            if smooth_k:
-                chan[name] = torch.cat([chan[name], torch.tensor(c)]) if name in chan \
-                    else torch.tensor(c)
+            hi, lo = torch.tensor(hi), torch.tensor(lo)
+            if name in k_range:
+                hi, lo = torch.cat([k_range[name][0], hi]), torch.cat([k_range[name][1], lo])
+            k_range[name] = (hi, lo)
     if not amax:
         raise RuntimeError("no layer recorded K/V: is the model served by the NVFP4 backend?")
     meta = {"model": model, "texts": len(texts), "tokens": tokens,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             **{k: os.environ.get(k, d) for k, d in _ROTATE_DEFAULTS.items()}}
     del llm
-    return write_scales_file(out, amax, headroom, meta, chan or None)
+    return write_scales_file(out, amax, headroom, meta, k_range, center_k, smooth_k)
 
 
 def read_texts(path: str) -> list[str]:
@@ -417,15 +443,19 @@ def main(argv=None):
     ap.add_argument("--headroom", type=float, default=OFFLINE_HEADROOM)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--smooth-k", action="store_true",
-                    help="also per-channel K smoothing (models whose K has outlier channels, "
+    ap.add_argument("--center-k", action="store_true",
+                    help="also per-channel K centering (models whose K has outlier channels, "
                          "e.g. Qwen2's k_proj bias; the backend warns about them)")
+    ap.add_argument("--smooth-k", action="store_true",
+                    help="also per-channel K smoothing (the same models)")
     args = ap.parse_args(argv)
     res = calibrate(args.model, read_texts(args.texts), args.out, args.headroom,
-                    args.max_model_len, args.smooth_k,
+                    args.max_model_len, args.center_k, args.smooth_k,
                     tensor_parallel_size=args.tensor_parallel_size)
     print(f"wrote {args.out}: {len([k for k in res if not k.startswith('_')])} layers, "
-          f"{res['_meta']['tokens']} tokens{', K smoothing' if '_k_smooth' in res else ''}")
+          f"{res['_meta']['tokens']} tokens"
+          + "".join(f", K {w}" for k, w in (("_k_center", "centering"),
+                                             ("_k_smooth", "smoothing")) if k in res))
 
 
 if __name__ == "__main__":
