@@ -26,16 +26,19 @@ def _fp8(x, div):
 
 
 def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=False,
-         from_cache=False, fp8_workspace=False, smooth=None):
+         from_cache=False, fp8_workspace=False, smooth=None, center=None):
     """rotated: the backend's NVFP4KV_ROTATE_K/V options; the expectation then applies the
     same rotations by hand (cached history, q, k, v, and the output back). smooth [H, D]: K
     smoothing divisors from a scales file; expected with K / s cached and q * s (each query
-    head its KV head's s) wherever the cache is read. fp8_workspace:
+    head its KV head's s) wherever the cache is read. center [H, D]: K centering offsets,
+    expected with K - mu cached and nothing else changed (softmax ignores the shift).
+    fp8_workspace:
     NVFP4KV_WORKSPACE_DTYPE=fp8, expected with the same E4M3 roundings of the workspace
     rows and of the prefill queries (one round only)."""
     rot = rotate if rotated else (lambda x: x)
     s_k = torch.ones(H, D, device=device) if smooth is None else smooth.to(device)
     s_q = s_k.repeat_interleave(HQ // H, 0)
+    mu = torch.zeros(H, D, device=device) if center is None else center.to(device)
     torch.manual_seed(0)
     nb = 40
     cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8, device=device)
@@ -57,7 +60,7 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
         if ctx:
             hist_k[b] = torch.randn(ctx, H, D, device=device)
             hist_v[b] = torch.randn(ctx, H, D, device=device)
-            reference.write_cache(cache, rot(hist_k[b] / s_k), rot(hist_v[b]),
+            reference.write_cache(cache, rot((hist_k[b] - mu) / s_k), rot(hist_v[b]),
                                   slots(b, torch.arange(ctx, device=device)), k_scale, v_scale)
     # this step
     t = sum(n for _, n in REQS)
@@ -72,7 +75,7 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
                          {"NVFP4KV_WORKSPACE_DTYPE": "fp8" if fp8_workspace else "auto",
                           "NVFP4KV_ROTATE_K": "1" if rotated else "0",
                           "NVFP4KV_ROTATE_V": "1" if rotated else "0"}), \
-            mock.patch.object(backend, "k_smoothing", lambda layer, dev: smooth):
+            mock.patch.object(backend, "k_transform", lambda layer, dev: (center, smooth)):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, window, "nvfp4", softcap or None,
                                   sinks=sinks)
         impl.process_weights_after_loading(torch.bfloat16)
@@ -90,7 +93,7 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
     # prefix followed by the chunk's exact K/V
     scale = D ** -0.5
     exp = torch.zeros(t, HQ, D, device=device)
-    q, k, v = rot(q * s_q), rot(k / s_k), rot(v)
+    q, k, v = rot(q * s_q), rot((k.float() - mu).bfloat16() / s_k), rot(v)
     if fp8_workspace:
         assert len(md.prefill.rounds) == 1
         q0 = int(qsl[2])
@@ -171,49 +174,66 @@ def test_mixed_batch_with_rotated_kv(device):
 
 
 @pytest.mark.parametrize("capacity", [4096, 24], ids=["one-round", "pieces-and-rounds"])
-def test_mixed_batch_with_k_smoothing(device, capacity):
-    """K smoothing from a scales file: every path (decode, extend rounds, prefix pieces,
-    initial prefill) attends as if q * s met K / s from the cache; rotation of K is off."""
+@pytest.mark.parametrize("centered", [False, True], ids=["smooth", "center+smooth"])
+def test_mixed_batch_with_k_smoothing(device, capacity, centered):
+    """K smoothing (and centering) from a scales file: every path (decode, extend rounds,
+    prefix pieces, initial prefill) attends as if q * s met (K - mu) / s from the cache;
+    rotation of K is off."""
     smooth = torch.ones(H, D)
     smooth[0, [3, 3 + D // 2]] = 64.0
     smooth[1, 10] = smooth[1, 10 + D // 2] = 8.0
-    out, exp, md = _run(device, capacity, smooth=smooth)
+    center = torch.randn(H, D, generator=torch.Generator().manual_seed(5)) * 4 \
+        if centered else None
+    out, exp, md = _run(device, capacity, smooth=smooth, center=center)
     assert not out.isnan().any()
     torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
 
 
-def test_k_smoothing_rescues_outlier_channels():
-    """What smoothing is for: K whose channel pair 3 / 3 + D/2 carries a large constant (a
-    k_proj bias, as in Qwen2) loses its other channels in 4-bit blocks; with the divisors
-    the calibration rule derives, decode attention is close to exact again."""
+def _decode_error(k, v, q, center, smooth) -> float:
+    """Relative error of the backend's decode (one query over keys k written through the
+    cache with K centering / smoothing) against exact attention."""
+    t, nb = k.shape[0], 8
+    exact = reference.attention(q, k, v, D ** -0.5, torch.tensor([t - 1]), None, 0.0, None)
+    layer = SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0),
+                            layer_name="l0")
+    with mock.patch.dict("os.environ", {"NVFP4KV_ROTATE_K": "0"}), \
+            mock.patch.object(backend, "k_transform", lambda layer, dev: (center, smooth)):
+        impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
+        cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8)
+        impl.do_kv_cache_update(layer, k.bfloat16(), v.bfloat16(), cache, torch.arange(t))
+        md = NvFp4Metadata(num_actual_tokens=1, num_decodes=1, num_decode_tokens=1,
+                           num_prefills=0, seq_lens=torch.tensor([t], dtype=torch.int32),
+                           block_table=torch.arange(nb, dtype=torch.int32)[None],
+                           decode_num_splits=1, prefill=None)
+        out = torch.zeros(1, HQ * D, dtype=torch.bfloat16)
+        zeros = torch.zeros(1, H * D, dtype=torch.bfloat16)
+        impl.forward(layer, q.bfloat16().flatten(1), zeros, zeros, cache, md, out)
+    assert (impl.space.k_mul is None) == (smooth is None) and not impl.space.rotate_k
+    assert (impl.space.k_sub is None) == (center is None)
+    return float((out.view(1, HQ, D).float() - exact).norm() / exact.norm())
+
+
+def test_k_centering_and_smoothing_on_outlier_channels():
+    """What they are for: K whose channel pair 3 / 3 + D/2 carries a large constant (a k_proj
+    bias, as in Qwen2) loses its other channels in 4-bit blocks. Centering (the calibration's
+    mid-range) removes the constant exactly and decode is close to exact again. Smoothing
+    (K / s, q * s) rescues the other channels but keeps the outlier channel's 4-bit error, s
+    times larger in q.k: it helps only where the queries do not read that channel."""
     from vllm_nvfp4kv.scales import k_smoothing_factors
     torch.manual_seed(0)
-    t, nb = 64, 8
-    k = torch.randn(t, H, D)
+    k = torch.randn(64, H, D)
     k[:, :, [3, 3 + D // 2]] += 300.0
-    v, q = torch.randn(t, H, D), torch.randn(1, HQ, D)
-    q[:, :, [3, 3 + D // 2]] = 0.0  # the bias term is the same for every key: softmax-free
-    exact = reference.attention(q, k, v, D ** -0.5, torch.tensor([t - 1]), None, 0.0, None)
-    errs = {}
-    for name, smooth in (("plain", None), ("smoothed", k_smoothing_factors(k.abs().amax(0)))):
-        layer = SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0),
-                                layer_name="l0")
-        with mock.patch.dict("os.environ", {"NVFP4KV_ROTATE_K": "0"}), \
-                mock.patch.object(backend, "k_smoothing", lambda layer, dev: smooth):
-            impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
-            cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8)
-            impl.do_kv_cache_update(layer, k.bfloat16(), v.bfloat16(), cache, torch.arange(t))
-            md = NvFp4Metadata(num_actual_tokens=1, num_decodes=1, num_decode_tokens=1,
-                               num_prefills=0, seq_lens=torch.tensor([t], dtype=torch.int32),
-                               block_table=torch.arange(nb, dtype=torch.int32)[None],
-                               decode_num_splits=1, prefill=None)
-            out = torch.zeros(1, HQ * D, dtype=torch.bfloat16)
-            impl.forward(layer, q.bfloat16().flatten(1), q.new_zeros(1, H * D).bfloat16(),
-                         q.new_zeros(1, H * D).bfloat16(), cache, md, out)
-        assert (impl.space.k_mul is None) == (smooth is None) and not impl.space.rotate_k
-        errs[name] = (out.view(1, HQ, D).float() - exact).norm() / exact.norm()
-    # measured (torch 2.11 CPU): plain 0.58, smoothed 0.12
-    assert errs["smoothed"] < 0.2 and errs["plain"] > 0.4
+    v, q = torch.randn(64, H, D), torch.randn(1, HQ, D)
+    q_blind = q.clone()
+    q_blind[:, :, [3, 3 + D // 2]] = 0.0
+    mid, s = (k.amax(0) + k.amin(0)) / 2, k_smoothing_factors(k.abs().amax(0))
+    errs = {(name, blind): _decode_error(k, v, qq, c, sm)
+            for name, c, sm in (("plain", None, None), ("smooth", None, s), ("center", mid, None))
+            for blind, qq in ((False, q), (True, q_blind))}
+    # measured (torch 2.11 CPU): plain 1.11 / 0.58, smooth 2.69 / 0.12, center 0.19 / 0.12
+    assert errs["plain", False] > 0.4 and errs["plain", True] > 0.4
+    assert errs["center", False] < 0.25 and errs["center", True] < 0.2
+    assert errs["smooth", True] < 0.2 and errs["smooth", False] > 1.0
 
 
 def test_rotation_defaults_follow_head_size():

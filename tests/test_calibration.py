@@ -26,7 +26,7 @@ def _env(monkeypatch):
               "NVFP4KV_CALIBRATE_HEADROOM"):
         monkeypatch.delenv(k, raising=False)
     cal._files.clear()
-    cal._smoothing.clear()
+    cal._transforms.clear()
 
 
 def _layer(name="model.layers.0.self_attn.attn", k=1.0, v=1.0, device="cpu"):
@@ -332,30 +332,39 @@ def test_collect_mode_records_amax_without_changing_scales(monkeypatch):
     assert got[0] == max(k1.float().abs().max(), k2[:3].float().abs().max()).item()
     assert got[1] == max(v1.float().abs().max(), v2[:3].float().abs().max()).item()
     assert got[2] == 8 and layer._k_scale.item() == 1.0
-    chan = torch.maximum(k1.float().abs().amax(0), k2[:3].float().abs().amax(0))
-    assert torch.equal(torch.tensor(got[3]), chan)  # per channel, for K smoothing
+    both = torch.cat([k1, k2[:3]]).float()
+    assert torch.equal(torch.tensor(got[3]), both.amax(0))  # per channel: K centering and
+    assert torch.equal(torch.tensor(got[4]), both.amin(0))  # smoothing
 
 
-def test_k_smoothing_file_round_trip_and_backend(monkeypatch, tmp_path):
-    """--smooth-k: per-channel K amax -> power-of-two divisors per RoPE pair (outliers down to
-    the median, the rest 1), the K scale from the smoothed amax; the file read back gives the
-    backend its divisors, which cache K / s, turn K rotation off and refuse ROTATE_K=1."""
-    chan = torch.ones(H, D)
-    chan[0, 3] = 100.0                       # pair (3, 3 + D/2) of head 0: ratio 100 -> 128
-    chan[1, 5 + D // 2] = 3.0                # pair (5, 5 + D/2) of head 1: ratio 3 -> 4
-    chan[1, 7] = 1.3                         # below sqrt(2): untouched
+def test_k_centering_and_smoothing_file_round_trip_and_backend(monkeypatch, tmp_path):
+    """--center-k --smooth-k: per-channel K max/min -> mid-range offsets mu, and power-of-two
+    divisors per RoPE pair of the centered amax (outliers down to the median, the rest 1);
+    the K scale from the amax of (K - mu) / s. The file read back gives the backend both,
+    which cache (K - mu) / s, turn K rotation off and refuse ROTATE_K=1."""
+    hi, lo = torch.ones(H, D), -torch.ones(H, D)
+    hi[0, 3], lo[0, 3] = 110.0, 90.0         # a constant ~100: centered to +-10, ratio 10 -> 8
+    hi[1, 5 + D // 2], lo[1, 5 + D // 2] = 3.0, -3.0   # ratio 3 -> 4
+    hi[1, 7] = 1.6                           # centered amax 1.3: below sqrt(2), untouched
+    mu = (hi + lo) / 2
     want = torch.ones(H, D)
-    want[0, [3, 3 + D // 2]] = 128.0
+    want[0, [3, 3 + D // 2]] = 8.0
     want[1, [5, 5 + D // 2]] = 4.0
     from vllm_nvfp4kv.scales import k_smoothing_factors
-    assert torch.equal(k_smoothing_factors(chan), want)
-    path = tmp_path / "smooth.json"
-    raw = cal.write_scales_file(str(path), {"a": [100.0, 0.5]}, 8.0, None, {"a": chan})
-    assert raw["a"] == [_pow2_rule(1.3, 8), _pow2_rule(0.5, 8)]  # K amax after smoothing: 1.3
-    assert torch.equal(cal.load_k_smoothing(str(path))["a"], want)
+    assert torch.equal(k_smoothing_factors(torch.maximum(hi - mu, mu - lo)), want)
+    path = tmp_path / "k.json"
+    raw = cal.write_scales_file(str(path), {"a": [110.0, 0.5]}, 8.0, None,
+                                {"a": (hi, lo)}, center=True, smooth=True)
+    assert raw["a"] == [_pow2_rule(10 / 8, 8), _pow2_rule(0.5, 8)]  # K amax: (K - mu) / s
+    got = cal.load_k_transform(str(path))["a"]
+    assert torch.equal(got["center"], mu) and torch.equal(got["smooth"], want)
+    only_smooth = cal.write_scales_file(str(tmp_path / "s.json"), {"a": [110.0, 0.5]}, 8.0,
+                                        None, {"a": (hi, lo)}, smooth=True)
+    assert "_k_center" not in only_smooth and only_smooth["_k_smooth"]["a"][0][3] == 128.0
     monkeypatch.setenv("NVFP4KV_SCALES_FILE", str(path))
-    assert torch.equal(cal.k_smoothing(_layer("a"), "cpu"), want)
-    assert cal.k_smoothing(_layer("b"), "cpu") is None
+    c, s = cal.k_transform(_layer("a"), "cpu")
+    assert torch.equal(c, mu) and torch.equal(s, want)
+    assert cal.k_transform(_layer("b"), "cpu") == (None, None)
 
     pytest.importorskip("vllm")
     from vllm_nvfp4kv.backend import NvFp4AttentionImpl
@@ -364,22 +373,27 @@ def test_k_smoothing_file_round_trip_and_backend(monkeypatch, tmp_path):
     layer = _layer("a")
     cache = torch.zeros(kv_cache_shape(4, N, H, D), dtype=torch.uint8)
     k, v = _kv(6)
-    k[:, 0, 3] += 90.0
+    k[:, 0, 3] += 100.0
     slots = torch.tensor([17, 18, 19, 20, 21, -1])
     impl.do_kv_cache_update(layer, k, v, cache, slots)
     assert not impl.space.rotate_k and torch.equal(impl.space.k_mul.float(), 1 / want)
     assert torch.equal(impl.space.q_mul.float(), want.repeat_interleave(2, 0))
     expect = torch.zeros_like(cache)
-    reference.write_cache(expect, k / want.bfloat16(), v, slots, *raw["a"], True)
+    cached = (k - mu.bfloat16()) * (1 / want).bfloat16()
+    reference.write_cache(expect, cached, v, slots, *raw["a"], True)
     assert torch.equal(cache, expect)
     monkeypatch.setenv("NVFP4KV_ROTATE_K", "1")
     with pytest.raises(ValueError, match="exclude"):
         NvFp4AttentionImpl(4, D, D ** -0.5, H, None, None, "nvfp4").do_kv_cache_update(
             _layer("a"), k, v, cache, slots)
+    monkeypatch.delenv("NVFP4KV_ROTATE_K")
+    with pytest.raises(ValueError, match="sinks or a logit soft-cap"):
+        NvFp4AttentionImpl(4, D, D ** -0.5, H, None, None, "nvfp4", 30.0).do_kv_cache_update(
+            _layer("a"), k, v, cache, slots)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"a": [1.0, 1.0], "_k_smooth": {"a": [[0.5] * D] * H}}))
     with pytest.raises(ValueError, match="divisors"):
-        cal.load_k_smoothing(str(bad))
+        cal.load_k_transform(str(bad))
 
 
 # ----------------------------------------------------------------- a real engine (CPU)
