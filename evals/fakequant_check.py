@@ -9,7 +9,9 @@ on the cache's error, since the engine keeps the current chunk's own K/V exact.
 them): `rotate` (the plugin's Hadamard rotation of K), `smooth` (the plugin's per-channel K
 smoothing, scales.k_smoothing_factors: each RoPE channel pair of each KV head divided by
 max(1, amax / median amax) rounded to a power of two, the amax from --calib-texts other GSM8K
-texts run exactly first), `smooth+rotate`. For models whose K has
+texts run exactly first), `smooth+rotate`, `center` (the plugin's K centering: K - mu, mu the
+per-channel mid-range of the same calibration texts; the scores move by q.mu for all keys),
+`center+smooth`. For models whose K has
 outlier channels (Qwen2's k_proj bias), which 4-bit blocks of 16 cannot hold:
 
     python evals/fakequant_check.py --model qwen --variants plain rotate smooth smooth+rotate \\
@@ -35,7 +37,8 @@ def main():
     ap.add_argument("--texts", type=int, default=16)
     ap.add_argument("--calib-texts", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=["plain"],
-                    choices=["plain", "rotate", "smooth", "smooth+rotate"])
+                    choices=["plain", "rotate", "smooth", "smooth+rotate", "center",
+                             "center+smooth"])
     ap.add_argument("--out", default="evals/results/fakequant.json")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,7 +58,8 @@ def main():
                                                  attn_implementation="eager")
     exact_attention = modeling.eager_attention_forward
     mode = {"variant": None, "calibrate": False}
-    k_amax: dict[int, torch.Tensor] = {}  # layer -> [Hkv, D] channel amax of K (post-RoPE)
+    k_hi: dict[int, torch.Tensor] = {}  # layer -> [Hkv, D] channel max of K (post-RoPE)
+    k_lo: dict[int, torch.Tensor] = {}  # and min
 
     def fake_quant(x):  # [B, H, T, D], values as bf16 activations would give them
         data, scales = reference.quantize(x.to(torch.bfloat16), 1.0)
@@ -63,23 +67,28 @@ def main():
 
     smooth: dict[int, torch.Tensor] = {}
 
-    def smoothing(layer):  # [Hkv, 1, D], once per layer from the calibration amax
-        if layer not in smooth:
-            smooth[layer] = k_smoothing_factors(k_amax[layer])[:, None, :]
-        return smooth[layer]
+    def transform(layer, variant):  # (mu, s), each [Hkv, 1, D], as the calibration writes them
+        if (layer, variant) not in smooth:
+            hi, lo = k_hi[layer], k_lo[layer]
+            mu = (hi + lo) / 2 if "center" in variant else torch.zeros_like(hi)
+            a = torch.maximum(hi - mu, mu - lo)
+            s = k_smoothing_factors(a) if "smooth" in variant else torch.ones_like(a)
+            smooth[layer, variant] = (mu[:, None, :], s[:, None, :])
+        return smooth[layer, variant]
 
     def attention(module, query, key, value, attention_mask, **kw):
         if mode["calibrate"]:
-            a = key[0].abs().amax(1)
-            k_amax[module.layer_idx] = torch.maximum(k_amax.get(module.layer_idx, a), a)
+            i, hi, lo = module.layer_idx, key[0].amax(1), key[0].amin(1)
+            k_hi[i] = torch.maximum(k_hi.get(i, hi), hi)
+            k_lo[i] = torch.minimum(k_lo.get(i, lo), lo)
         elif mode["variant"]:
-            s = smoothing(module.layer_idx) if "smooth" in mode["variant"] else 1.0
-            k = key / s
+            mu, s = transform(module.layer_idx, mode["variant"])
+            k = (key - mu) / s
             if "rotate" in mode["variant"]:
                 k = rotate(fake_quant(rotate(k)))  # H is its own inverse
             else:
                 k = fake_quant(k)
-            key, value = k * s, fake_quant(value)
+            key, value = k * s + mu, fake_quant(value)
         return exact_attention(module, query, key, value, attention_mask, **kw)
 
     modeling.eager_attention_forward = attention
@@ -95,7 +104,7 @@ def main():
         return nll
 
     texts = fidelity.gsm8k_texts(args.texts + args.calib_texts)
-    if any("smooth" in v for v in args.variants):  # calibration texts: disjoint from scored
+    if any("smooth" in v or "center" in v for v in args.variants):  # disjoint from scored
         mode["calibrate"] = True
         nll_of(texts[args.texts:])
         mode["calibrate"] = False
