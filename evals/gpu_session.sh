@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|gsm8k|mmlu|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|mmlu|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -96,9 +96,15 @@ case "${1:?stage}" in
                 --out "$OUT/e2e_h200.json" 2>&1 | grep -E "CUSTOM|NVFP4 KV cache|tok/s|error" ;;
   qwen)     ls -la "$QWEN" /tmp/qwen.part 2>/dev/null
             timeout 200 python3 evals/assets.py qwen 2>&1 | tail -2 ;;
-  gsm8k)    timeout 580 python3 evals/lm_eval_kv.py --model qwen --dtypes fp8 nvfp4 \
+  qwen-scales) timeout 300 python3 evals/calibrate.py --model "$(python3 evals/assets.py qwen | tail -1)" \
+                ${QWEN_K_OPTS:---center-k} --out "$OUT/scales_qwen_h200.json" 2>&1 | tail -1
+            cp "$OUT/scales_qwen_h200.json" /tmp/scales_qwen.json ;;
+  # with /tmp/scales_qwen.json (stage qwen-scales) the NVFP4 rows use its K centering
+  gsm8k)    [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
+            timeout 580 python3 evals/lm_eval_kv.py --model qwen --dtypes auto fp8 nvfp4 \
                 --out "$OUT/gsm8k_qwen_h200.json" 2>&1 | grep -E "^\||Error" ;;
-  mmlu)     timeout 580 python3 evals/lm_eval_kv.py --task mmlu --model qwen --dtypes fp8 nvfp4 \
+  mmlu)     [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
+            timeout 580 python3 evals/lm_eval_kv.py --task mmlu --model qwen --dtypes fp8 nvfp4 \
                 --limit 1000 --out "$OUT/mmlu_qwen_h200.json" 2>&1 | grep -E "^\||Error" ;;
   fidelity) timeout 560 python3 evals/fidelity.py --texts 96 --chunk 64 --dtypes auto fp8 nvfp4 \
                 --out "$OUT/fidelity_smollm2_h200.json" 2>&1 | grep "^|" ;;
