@@ -344,9 +344,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                 "NVFP4 KV cache: layer %s has K outlier channels (max/median channel amax "
                 "%.0f > %.0f, e.g. a k_proj bias as in Qwen2): each 16-value block holding one "
                 "rounds its other values to 0 and accuracy collapses (README, Qwen2.5 "
-                "fidelity). Calibrate K centering and smoothing (python -m "
-                "vllm_nvfp4kv.calibration --center-k --smooth-k, then NVFP4KV_SCALES_FILE) or "
-                "use --kv-cache-dtype fp8.",
+                "fidelity). Calibrate K centering (python -m vllm_nvfp4kv.calibration "
+                "--center-k, then NVFP4KV_SCALES_FILE) or use --kv-cache-dtype fp8.",
                 getattr(layer, "layer_name", "?"), ratio, K_OUTLIER_RATIO)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
