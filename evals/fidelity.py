@@ -26,7 +26,7 @@ magnitudes m times larger), the case calibration is for.
 prefill workspace (default) / NVFP4 with the FP8 workspace (NVFP4KV_WORKSPACE_DTYPE=fp8) / FP8.
 --sweep (= --variants options): BF16, then NVFP4 with each combination of 4-over-6 and
 rotating K (and V), each row its own engine, the results file rewritten after every row.
---variants smoothing: BF16, NVFP4 with rotate K / without, with offline global scales, and
+--variants k-outliers: BF16, NVFP4 with rotate K / without, with offline global scales, and
 with per-channel K smoothing and/or centering from offline scales files (evals/calibrate.py
 --smooth-k / --center-k), with and without 4-over-6.
 On a CPU, FP8 KV needs vLLM's 'vec' attention kernel (block size a multiple of 32), so
@@ -178,7 +178,9 @@ def main():
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
            "texts": len(texts), "chunk_tokens": args.chunk, "block_size": bs,
-           "kl": f"top-{args.topk} + rest", "rows": []}
+           "kl": f"top-{args.topk} + rest",
+           "nvfp4kv_env": {k: v for k, v in os.environ.items() if k.startswith("NVFP4KV_")},
+           "rows": []}
     base = None
     for dt in args.dtypes:
         try:
@@ -309,7 +311,7 @@ VARIANTS["options"] = [("bf16 (auto)", "auto", {})] + [(name, "nvfp4", env)
                                                        for name, env in OPTIONS.items()]
 # K smoothing: a scales file from evals/calibrate.py --smooth-k (GSM8K rows disjoint from the
 # scored ones); {scales} / {smooth} are the two calibration files
-VARIANTS["smoothing"] = [
+VARIANTS["k-outliers"] = [
     ("bf16 (auto)", "auto", {}),
     ("nvfp4 + rotate K + 4over6", "nvfp4", _opts("1", "1", "0")),
     ("nvfp4 + 4over6", "nvfp4", _opts("1", "0", "0")),

@@ -196,9 +196,9 @@ def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws
                 k_scale, v_scale, scale, window, softcap, sinks, fa_version,
                 space: CacheSpace = CacheSpace()) -> None:
     """Attention of the prefill query rows (per-layer; only launches). q, key, value, out as
-    the model has them; space: what the cache stores instead (smoothed / rotated K, rotated
-    V), so where it is read, q and the chunk's K/V are transformed alike and the output taken
-    back. Path 1 reads no cache: it attends the exact K/V as they are."""
+    the model has them; space: what the cache stores instead (centered / smoothed / rotated
+    K, rotated V), so where it is read, q and the chunk's K/V are transformed alike and the
+    output taken back. Path 1 reads no cache: it attends the exact K/V as they are."""
     d = q.shape[-1]
     # The step's exact K/V as the cache stores them (NaN -> 0, +-Inf -> finite): varlen FA
     # reads K/V tiles across sequence boundaries and zeroes the masked scores, so a NaN or
