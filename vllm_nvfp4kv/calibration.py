@@ -183,6 +183,8 @@ def write_scales_file(path: str, amax: dict[str, list[float]], headroom: float,
     amax = {k: list(v) for k, v in amax.items()}
     mus, divs = {}, {}
     for name, (hi, lo) in (k_range or {}).items() if center or smooth else ():
+        if hi.numel() == 0:  # the layer saw no token: nothing to center or smooth
+            continue
         hi, lo = hi.float(), lo.float()
         mu = (hi + lo) / 2 if center else torch.zeros_like(hi)
         a = torch.maximum(hi - mu, mu - lo)  # |K - mu| amax per channel
