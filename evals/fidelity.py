@@ -332,6 +332,8 @@ VARIANTS["k-outliers"] = [
      {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{center}"}),
     ("nvfp4 + center K (offline)", "nvfp4",
      {**_opts("0", "0", "0"), "NVFP4KV_SCALES_FILE": "{center}"}),
+    ("nvfp4 + center K (offline) + rotate K + 4over6", "nvfp4",
+     {**_opts("1", "1", "0"), "NVFP4KV_SCALES_FILE": "{center}"}),
     ("nvfp4 + center + smooth K (offline) + 4over6", "nvfp4",
      {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{center+smooth}"}),
     ("nvfp4 + center + smooth K (offline)", "nvfp4",

@@ -173,6 +173,13 @@ def test_mixed_batch_with_rotated_kv(device):
     torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
 
 
+def test_mixed_batch_with_k_centering_and_rotation(device):
+    """NVFP4KV_ROTATE_K=1 (and V) with a centering-only file: rotate(K - mu) cached."""
+    center = torch.randn(H, D, generator=torch.Generator().manual_seed(6)) * 4
+    out, exp, _ = _run(device, 24, rotated=True, center=center)
+    torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("capacity", [4096, 24], ids=["one-round", "pieces-and-rounds"])
 @pytest.mark.parametrize("centered", [False, True], ids=["smooth", "center+smooth"])
 def test_mixed_batch_with_k_smoothing(device, capacity, centered):

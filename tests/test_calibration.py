@@ -390,6 +390,17 @@ def test_k_centering_and_smoothing_file_round_trip_and_backend(monkeypatch, tmp_
     with pytest.raises(ValueError, match="sinks or a logit soft-cap"):
         NvFp4AttentionImpl(4, D, D ** -0.5, H, None, None, "nvfp4", 30.0).do_kv_cache_update(
             _layer("a"), k, v, cache, slots)
+    # centering alone keeps the automatic rotation: rotate(K - mu) is cached
+    center_only = tmp_path / "c.json"
+    raw_c = cal.write_scales_file(str(center_only), {"a": [110.0, 0.5]}, 8.0, None,
+                                  {"a": (hi, lo)}, center=True)
+    monkeypatch.setenv("NVFP4KV_SCALES_FILE", str(center_only))
+    impl = NvFp4AttentionImpl(4, D, D ** -0.5, H, None, None, "nvfp4")
+    impl.do_kv_cache_update(_layer("a"), k, v, cache.zero_(), slots)
+    assert impl.space.rotate_k and impl.space.k_mul is None
+    expect.zero_()
+    reference.write_cache(expect, rotate(k - mu.bfloat16()), v, slots, *raw_c["a"], True)
+    assert torch.equal(cache, expect)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"a": [1.0, 1.0], "_k_smooth": {"a": [[0.5] * D] * H}}))
     with pytest.raises(ValueError, match="divisors"):

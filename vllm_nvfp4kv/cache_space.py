@@ -11,7 +11,8 @@ output cannot see:
 * K smoothing (``--smooth-k``): K is cached as K / s with s a per-channel power of two, and
   every query that reads the cache is multiplied by s, so q.k is unchanged while outlier
   channels no longer own their 16-value blocks. Powers of two: both products exact in BF16.
-* Hadamard rotation of K (``NVFP4KV_ROTATE_K``): K and those queries rotated alike.
+* Hadamard rotation of K (``NVFP4KV_ROTATE_K``): K (after centering) and those queries
+  rotated alike. Not with smoothing: rotating smoothed keys undoes the smoothing.
 * Hadamard rotation of V (``NVFP4KV_ROTATE_V``): attention over rotated V gives the output
   rotated; H is its own inverse, so rotating the output again undoes it.
 

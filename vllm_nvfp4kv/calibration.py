@@ -118,7 +118,7 @@ def load_scales_file(path: str) -> dict[str, tuple[float, float]]:
     meta = raw.get("_meta", {})
     for opt in ("NVFP4KV_ROTATE_K", "NVFP4KV_ROTATE_V"):
         if opt == "NVFP4KV_ROTATE_K" and (raw.get("_k_smooth") or raw.get("_k_center")):
-            continue  # such layers never rotate K (the backend enforces it)
+            continue  # calibrated unrotated on purpose (centering offsets need raw K)
         want = meta.get(opt)
         if want is not None and want != os.environ.get(opt, _ROTATE_DEFAULTS[opt]):
             _log("rot" + opt, "NVFP4 KV: %s was calibrated with %s=%s but runs with %s; K/V "
@@ -388,8 +388,8 @@ def calibrate(model: str, texts: list[str], out: str, headroom: float = OFFLINE_
               **llm_kwargs) -> dict:
     """Run texts through the model (kv_cache_dtype nvfp4, each text prefilled in one piece, so
     attention sees exact K/V), record every layer's K/V amax, write the scales file.
-    center_k / smooth_k: also per-channel K centering / smoothing (K recorded unrotated: such
-    layers do not rotate K)."""
+    center_k / smooth_k: also per-channel K centering / smoothing (K recorded unrotated: the
+    offsets and divisors apply before any rotation; smoothed layers do not rotate K)."""
     os.environ["NVFP4KV_CALIBRATE"] = "collect"
     os.environ.pop("NVFP4KV_SCALES_FILE", None)
     if center_k or smooth_k:
