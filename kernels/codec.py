@@ -112,43 +112,24 @@ def load_page_rows(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.co
     offset of each row's page, row [R] = head * N + token-in-page, tmask [R] valid rows.
     Returns fp16 [R, 16 * G_PAD] in natural element order = true values * 2**-7 (ROW_FACTOR),
     zeros where masked or padded."""
-    data, sc = load_page_rows_raw(cache_ptr, page_off, row, SIDE, tmask, H, N, D, G_PAD,
-                                  USE_ASM)
-    return decode_page_rows(data, sc, G_PAD, USE_ASM)
-
-
-@triton.jit
-def load_page_rows_raw(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
-                       N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-                       USE_ASM: tl.constexpr):
-    """The loads of load_page_rows: (packed data [R, 2 G_PAD] int32 words (USE_ASM) or
-    [R, 8 G_PAD] bytes, scale bytes [R, G_PAD]); zeros where masked or padded."""
     G: tl.constexpr = D // 16
+    R: tl.constexpr = row.shape[0]
     side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
     gi = tl.arange(0, G_PAD)
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, None] + gi[None, :],
                  mask=tmask[:, None] & (gi < G)[None, :], other=0)
+    s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
     if USE_ASM:  # 32-bit words (rows are 4-byte aligned: D/2 and the page offsets are)
         w = tl.arange(0, G_PAD * 2)
-        data = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, None]
-                       + w[None, :], mask=tmask[:, None] & (w < D // 8)[None, :], other=0)
+        words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, None]
+                        + w[None, :], mask=tmask[:, None] & (w < D // 8)[None, :], other=0)
+        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
+        vals = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                       tl.join(tl.join(n1, n5), tl.join(n3, n7)))  # [R, W, p, q, r]: 4p+2q+r
     else:
         j = tl.arange(0, G_PAD * 8)
         data = tl.load((side + row * (D // 2))[:, None] + j[None, :],
                        mask=tmask[:, None] & (j < D // 2)[None, :], other=0)
-    return data, sc
-
-
-@triton.jit
-def decode_page_rows(data, sc, G_PAD: tl.constexpr, USE_ASM: tl.constexpr):
-    """load_page_rows_raw's bytes -> fp16 [R, 16 * G_PAD] (see load_page_rows)."""
-    R: tl.constexpr = data.shape[0]
-    s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
-    if USE_ASM:
-        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(data)
-        vals = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
-                       tl.join(tl.join(n1, n5), tl.join(n3, n7)))  # [R, W, p, q, r]: 4p+2q+r
-    else:
         lo, hi = e2m1_unpack_fp16(data)
         vals = tl.join(lo, hi)
     vals = tl.reshape(vals, (R, G_PAD, 16))
@@ -184,17 +165,10 @@ def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
     load then puts warps on w, lanes on r and on the row's four 16-byte quarters, as the MMA
     wants. Returns fp16 [16 W REP, 128] = true values * 2**-7, rows i, columns in mma_col_to_d
     order; the permutes and reshapes below only relabel registers."""
-    words, sc = load_tile_mma_raw(cache_ptr, page_off, row, SIDE, tmask, H, N)
-    return decode_tile_mma(words, sc, USE_ASM)
-
-
-@triton.jit
-def load_tile_mma_raw(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
-                      N: tl.constexpr):
-    """The loads of load_tile_mma: (words [REP, 2, W, 8, c, j] int32, scale bytes
-    [REP, 2, W, 8, 8]); zeros where masked."""
     D: tl.constexpr = 128
     G: tl.constexpr = 8
+    REP: tl.constexpr = row.shape[0]
+    W: tl.constexpr = row.shape[2]
     side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
     c = tl.arange(0, 4)
     m5 = tmask[:, :, :, :, None, None]
@@ -204,15 +178,6 @@ def load_tile_mma_raw(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl
     g = tl.arange(0, G)[None, None, None, None, :]   # a row's 8 scales: one 8-byte load
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
                  mask=tmask[:, :, :, :, None], other=0)
-    return words, sc
-
-
-@triton.jit
-def decode_tile_mma(words, sc, USE_ASM: tl.constexpr):
-    """load_tile_mma_raw's bytes -> fp16 [16 W REP, 128] (see load_tile_mma)."""
-    D: tl.constexpr = 128
-    REP: tl.constexpr = words.shape[0]
-    W: tl.constexpr = words.shape[2]
     sc = tl.reshape(sc, (REP, 2, W, 8, 4, 2))                       # group 2 c + j1
     s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
     if USE_ASM:

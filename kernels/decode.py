@@ -69,9 +69,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     l_i = tl.zeros([QG_PAD], tl.float32)
     acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)  # transposed: [D, heads]
     for n0 in range(lo, hi, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        tmask = tok < hi
-        page_off, row, _ = _locate(block_table_ptr, b, stride_bt, page_stride, kvh, tok, hi, N)
+        page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
+                                       n0 + tl.arange(0, BLOCK_N), hi, N)
         if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
             off4, row4, mask4 = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
                                         n0 + _mma_rows(BLOCK_N, NW), hi, N)
