@@ -50,12 +50,8 @@ def main():
                                 max_model_len=1024, center_k=args.center_k,
                                 smooth_k=args.smooth_k, block_size=16, seed=0, **kw)
     meta = res["_meta"]
-    layers = len([k for k in res if not k.startswith('_')])
-    print(f"wrote {args.out}: {layers} layers, {meta['texts']} texts (GSM8K rows "
-          f"{len(rows) - args.texts}..{len(rows) - 1}), {meta['tokens']} tokens, "
-          f"headroom {meta['headroom']:g}"
-          + "".join(f", K {w}" for k, w in (("_k_center", "centering"),
-                                             ("_k_smooth", "smoothing")) if k in res))
+    print(f"wrote {args.out}: {calibration.describe(res)}; {meta['texts']} texts (GSM8K rows "
+          f"{len(rows) - args.texts}..{len(rows) - 1})")
 
 
 def study(model: str, texts: list[str], out: str) -> None:

@@ -48,7 +48,7 @@ def main():
 
     from vllm_nvfp4kv.kernels import reference
     from vllm_nvfp4kv.kernels.rotation import rotate
-    from vllm_nvfp4kv.scales import k_smoothing_factors
+    from vllm_nvfp4kv.scales import k_center_and_smoothing
 
     get_path, arch = MODELS[args.model]
     path = str(getattr(assets, get_path)())
@@ -69,10 +69,8 @@ def main():
 
     def transform(layer, variant):  # (mu, s), each [Hkv, 1, D], as the calibration writes them
         if (layer, variant) not in smooth:
-            hi, lo = k_hi[layer], k_lo[layer]
-            mu = (hi + lo) / 2 if "center" in variant else torch.zeros_like(hi)
-            a = torch.maximum(hi - mu, mu - lo)
-            s = k_smoothing_factors(a) if "smooth" in variant else torch.ones_like(a)
+            mu, s, _ = k_center_and_smoothing(k_hi[layer], k_lo[layer], "center" in variant,
+                                              "smooth" in variant)
             smooth[layer, variant] = (mu[:, None, :], s[:, None, :])
         return smooth[layer, variant]
 

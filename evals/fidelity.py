@@ -311,33 +311,32 @@ VARIANTS["options"] = [("bf16 (auto)", "auto", {})] + [(name, "nvfp4", env)
                                                        for name, env in OPTIONS.items()]
 # K smoothing: a scales file from evals/calibrate.py --smooth-k (GSM8K rows disjoint from the
 # scored ones); {scales} / {smooth} are the two calibration files
+def _file_row(label: str, file: str, four_over_six: str, rotate_k: str = "0",
+              from_cache: bool = False) -> tuple:
+    """A row with an offline scales file (K centering / smoothing), named by its options."""
+    env = {**_opts(four_over_six, rotate_k, "0"), "NVFP4KV_SCALES_FILE": file}
+    if from_cache:  # every key read back from the cache, the chunk's own too (as in decode)
+        env["NVFP4KV_PREFILL_FROM_CACHE"] = "1"
+    name = (f"nvfp4 + {label} (offline)" + " + rotate K" * (rotate_k == "1")
+            + " + 4over6" * (four_over_six == "1") + ", prefill from cache" * from_cache)
+    return name, "nvfp4", env
+
+
 VARIANTS["k-outliers"] = [
     ("bf16 (auto)", "auto", {}),
     ("nvfp4 + rotate K + 4over6", "nvfp4", _opts("1", "1", "0")),
     ("nvfp4 + 4over6", "nvfp4", _opts("1", "0", "0")),
     ("nvfp4 + 4over6 + offline scales", "nvfp4",
      {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{scales}"}),
-    ("nvfp4 + smooth K (offline) + 4over6", "nvfp4",
-     {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}"}),
-    ("nvfp4 + smooth K (offline)", "nvfp4",
-     {**_opts("0", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}"}),
-    # every key read back from the cache, the chunk's own too (as decode reads them)
-    ("nvfp4 + smooth K (offline), prefill from cache", "nvfp4",
-     {**_opts("0", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}",
-      "NVFP4KV_PREFILL_FROM_CACHE": "1"}),
-    ("nvfp4 + smooth K (offline) + 4over6, prefill from cache", "nvfp4",
-     {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{smooth}",
-      "NVFP4KV_PREFILL_FROM_CACHE": "1"}),
-    ("nvfp4 + center K (offline) + 4over6", "nvfp4",
-     {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{center}"}),
-    ("nvfp4 + center K (offline)", "nvfp4",
-     {**_opts("0", "0", "0"), "NVFP4KV_SCALES_FILE": "{center}"}),
-    ("nvfp4 + center K (offline) + rotate K + 4over6", "nvfp4",
-     {**_opts("1", "1", "0"), "NVFP4KV_SCALES_FILE": "{center}"}),
-    ("nvfp4 + center + smooth K (offline) + 4over6", "nvfp4",
-     {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{center+smooth}"}),
-    ("nvfp4 + center + smooth K (offline)", "nvfp4",
-     {**_opts("0", "0", "0"), "NVFP4KV_SCALES_FILE": "{center+smooth}"}),
+    _file_row("smooth K", "{smooth}", "1"),
+    _file_row("smooth K", "{smooth}", "0"),
+    _file_row("smooth K", "{smooth}", "0", from_cache=True),
+    _file_row("smooth K", "{smooth}", "1", from_cache=True),
+    _file_row("center K", "{center}", "1"),
+    _file_row("center K", "{center}", "0"),
+    _file_row("center K", "{center}", "1", rotate_k="1"),
+    _file_row("center + smooth K", "{center+smooth}", "1"),
+    _file_row("center + smooth K", "{center+smooth}", "0"),
 ]
 
 

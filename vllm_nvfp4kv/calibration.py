@@ -60,7 +60,7 @@ import torch
 from .kernels.format import E2M1_MAX, E4M3_MAX
 from .kernels.global_scale import calibrate_global_scales
 from .kernels.reference import masked_amax, scale_from_amax  # the rule, in plain torch
-from .scales import k_smoothing_factors
+from .scales import k_center_and_smoothing
 
 RANGE = E2M1_MAX * E4M3_MAX        # 2688: the largest |value| a block can hold at g = 1
 ONLINE_HEADROOM = 64.0
@@ -185,11 +185,8 @@ def write_scales_file(path: str, amax: dict[str, list[float]], headroom: float,
     for name, (hi, lo) in (k_range or {}).items() if center or smooth else ():
         if hi.numel() == 0:  # the layer saw no token: nothing to center or smooth
             continue
-        hi, lo = hi.float(), lo.float()
-        mu = (hi + lo) / 2 if center else torch.zeros_like(hi)
-        a = torch.maximum(hi - mu, mu - lo)  # |K - mu| amax per channel
-        s = k_smoothing_factors(a) if smooth else torch.ones_like(a)
-        amax[name][0] = float((a / s).max())
+        mu, s, a = k_center_and_smoothing(hi, lo, center, smooth)
+        amax[name][0] = float(a.max())
         if center:
             mus[name] = mu
         if smooth:
@@ -455,10 +452,16 @@ def main(argv=None):
     res = calibrate(args.model, read_texts(args.texts), args.out, args.headroom,
                     args.max_model_len, args.center_k, args.smooth_k,
                     tensor_parallel_size=args.tensor_parallel_size)
-    print(f"wrote {args.out}: {len([k for k in res if not k.startswith('_')])} layers, "
-          f"{res['_meta']['tokens']} tokens"
-          + "".join(f", K {w}" for k, w in (("_k_center", "centering"),
-                                             ("_k_smooth", "smoothing")) if k in res))
+    print(f"wrote {args.out}: {describe(res)}")
+
+
+def describe(res: dict) -> str:
+    """One line on a scales file: layers, tokens, headroom, K centering / smoothing."""
+    layers = len([k for k in res if not k.startswith("_")])
+    meta = res["_meta"]
+    return (f"{layers} layers, {meta['tokens']} tokens, headroom {meta['headroom']:g}"
+            + "".join(f", K {w}" for k, w in (("_k_center", "centering"),
+                                               ("_k_smooth", "smoothing")) if k in res))
 
 
 if __name__ == "__main__":

@@ -61,3 +61,15 @@ def k_smoothing_factors(k_amax: torch.Tensor) -> torch.Tensor:
     a = rope_pair_amax(k_amax.float())
     ratio = a / a.median(-1, keepdim=True).values.clamp_min(1e-30)
     return torch.exp2(torch.round(torch.log2(ratio.clamp_min(1.0)))).repeat(1, 2)
+
+
+def k_center_and_smoothing(hi: torch.Tensor, lo: torch.Tensor, center: bool, smooth: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From a layer's per-channel K max / min [H, D] (calibration): (mu, s, amax) [H, D] each,
+    mu the centering offsets (mid-range; zeros without centering), s the smoothing divisors
+    of the centered amax (ones without smoothing), amax that of (K - mu) / s."""
+    hi, lo = hi.float(), lo.float()
+    mu = (hi + lo) / 2 if center else torch.zeros_like(hi)
+    a = torch.maximum(hi - mu, mu - lo)  # |K - mu| amax per channel
+    s = k_smoothing_factors(a) if smooth else torch.ones_like(a)
+    return mu, s, a / s
