@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|mmlu|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|mmlu|decode-check|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -95,7 +95,10 @@ case "${1:?stage}" in
   e2e)      timeout 560 python3 evals/bench_e2e.py --inputs 8192 32768 \
                 --out "$OUT/e2e_h200.json" 2>&1 | grep -E "CUSTOM|NVFP4 KV cache|tok/s|error" ;;
   qwen)     ls -la "$QWEN" /tmp/qwen.part 2>/dev/null
-            timeout 200 python3 evals/assets.py qwen 2>&1 | tail -2 ;;
+            timeout 200 python3 evals/assets.py qwen 2>&1 | tail -2
+            # the recorded K-centering calibration (made on the CPU; stage qwen-scales remakes it)
+            cp -v evals/results/fidelity_k_outliers_qwen2.5_coder_1.5b_cpu.center.json \
+                /tmp/scales_qwen.json ;;
   qwen-scales) timeout 300 python3 evals/calibrate.py --model "$(python3 evals/assets.py qwen | tail -1)" \
                 ${QWEN_K_OPTS:---center-k} --out "$OUT/scales_qwen_h200.json" 2>&1 | tail -1
             cp "$OUT/scales_qwen_h200.json" /tmp/scales_qwen.json ;;
@@ -106,6 +109,11 @@ case "${1:?stage}" in
   mmlu)     [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
             timeout 580 python3 evals/lm_eval_kv.py --task mmlu --model qwen --dtypes fp8 nvfp4 \
                 --limit 1000 --out "$OUT/mmlu_qwen_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  # greedy generation (decode path) against BF16; NVFP4 with the Qwen scales file when present
+  decode-check) [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
+            timeout 560 python3 evals/decode_check.py --model qwen --dtypes auto nvfp4 \
+                nvfp4+eager nvfp4+noscales --out "$OUT/decode_check_qwen_h200.json" 2>&1 \
+                | grep -E "^\||rror" ;;
   fidelity) timeout 560 python3 evals/fidelity.py --texts 96 --chunk 64 --dtypes auto fp8 nvfp4 \
                 --out "$OUT/fidelity_smollm2_h200.json" 2>&1 | grep "^|" ;;
   profile)  st=smsp__average_warps_issue_stalled; m=""

@@ -324,7 +324,13 @@ def test_collect_mode_records_amax_without_changing_scales(monkeypatch):
     monkeypatch.setenv("NVFP4KV_CALIBRATE", "collect")
     layer = _layer()
     k1, v1 = _kv(5)
+    k1[:, 0, 3] = torch.arange(5) + 300.0  # a channel that is never near 0 (Qwen2's K bias)
     k2, v2 = _kv(5, mult=2.0, seed=3)
+    k2[:, 0, 3] = torch.arange(5) + 310.0
+    k0 = torch.zeros_like(k1)
+    # a warm-up / capture batch first (every slot -1, as vLLM pads on the GPU): no data; it
+    # used to enter the per-channel range as 0 and halve the mid-range of channel 3
+    cal.prepare_write(layer, k0, k0, torch.full((5,), -1))
     cal.prepare_write(layer, k1, v1, torch.arange(5))
     cal.prepare_write(layer, k2, v2, torch.tensor([0, 1, 2, -1, -1]))
     model = SimpleNamespace(modules=lambda: [layer, SimpleNamespace()])
@@ -335,6 +341,7 @@ def test_collect_mode_records_amax_without_changing_scales(monkeypatch):
     both = torch.cat([k1, k2[:3]]).float()
     assert torch.equal(torch.tensor(got[3]), both.amax(0))  # per channel: K centering and
     assert torch.equal(torch.tensor(got[4]), both.amin(0))  # smoothing
+    assert (got[4][0][3], got[3][0][3]) == (300.0, 312.0)
 
 
 def test_k_centering_and_smoothing_file_round_trip_and_backend(monkeypatch, tmp_path):

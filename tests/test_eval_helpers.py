@@ -99,3 +99,10 @@ def test_completion_clients_against_a_fake_server():
         srv.server_close()
     r = soak.completion(port, {"prompt": "x"}, timeout=2)   # nobody listens any more
     assert r["status"] == "error" and "Connection" in r["error"]
+
+
+def test_decode_check_agreement_counts_tokens_before_the_first_difference():
+    import decode_check
+    got = decode_check.agreement([[1, 2, 3, 4], [5, 6], [7]], [[1, 2, 9, 4], [5, 6, 7], []])
+    assert got["common_prefix"] == [2, 2, 0]
+    assert got["common_prefix_fraction"] == 4 / 7

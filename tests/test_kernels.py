@@ -562,6 +562,10 @@ DECODE_CASES = [
     pytest.param(128, 16, 1, 8, [70, 16], 1, "plain", id="d128-n16-gqa8-s1"),
     pytest.param(80, 16, 2, 4, [25, 1, 0], 2, "pad", id="d80-n16-gqa4-s2-pad"),
     pytest.param(96, 64, 1, 1, [65, 3], 1, "plain", id="d96-n64-mha-s1"),
+    # GQA ratios that are not powers of two (SmolLM2-135M: 3, Qwen2.5-1.5B: 6)
+    pytest.param(64, 16, 3, 3, [90, 5], 1, "pad", id="d64-n16-gqa3-s1-pad"),
+    pytest.param(128, 16, 2, 6, [300, 17, 1], 3, "pad", id="d128-n16-gqa6-s3-pad"),
+    pytest.param(128, 16, 2, 6, [700], 1, "plain", id="d128-n16-gqa6-s1"),
 ]
 
 
@@ -623,7 +627,7 @@ def test_decode_random_configs(device, seed):
     window, softcap, sinks, k/v scales, q dtype."""
     rng = random.Random(seed)
     d, n = rng.choice(HEAD_DIMS), rng.choice((16, 32, 64))
-    hkv, qpk = rng.choice((1, 2)), rng.choice((1, 2, 4, 8))
+    hkv, qpk = rng.choice((1, 2)), rng.choice((1, 2, 3, 4, 6, 8))
     seq_lens = [rng.choice((0, 1, rng.randint(1, 4 * n))) for _ in range(rng.randint(1, 4))]
     splits, block_n = rng.choice((1, 2, 3, 5, 8)), rng.choice((None, 32, 64, 128))
     window = rng.choice((None, None, rng.randint(1, 100)))

@@ -348,13 +348,18 @@ def prepare_write(layer, key: torch.Tensor, value: torch.Tensor,
 
 def _channel_range(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(max, min) per channel [H, D] over the rows of x [T, H, D] where valid, NaN/Inf
-    ignored (0 where a channel has no finite valid value)."""
+    ignored; -inf / +inf where a channel has no finite valid value, so that a batch without
+    data (vLLM's warm-up and capture batches: every slot -1) leaves the running range as it
+    was. A 0 there would pull every channel's range to 0: mid-ranges halved, 2026-12-04)."""
     x = x.detach().float()
     keep = torch.isfinite(x) & valid[:, None, None]
     inf = torch.tensor(float("inf"), device=x.device)
-    hi = torch.where(keep, x, -inf).amax(0)
-    lo = torch.where(keep, x, inf).amin(0)
-    return (torch.where(torch.isfinite(hi), hi, 0.0), torch.where(torch.isfinite(lo), lo, 0.0))
+    return torch.where(keep, x, -inf).amax(0), torch.where(keep, x, inf).amin(0)
+
+
+def _finite_or_zero(t: torch.Tensor) -> list:
+    """A channel that never saw a value: range [0, 0] (nothing to center)."""
+    return torch.where(torch.isfinite(t), t, 0.0).tolist()
 
 
 # ------------------------------------------------------------------ CUDA-graph guard
@@ -375,7 +380,8 @@ def collected(model) -> dict[str, list]:
     for mod in model.modules():
         st = getattr(mod, _ATTR, None)
         if st is not None and st.amax is not None:
-            rng = [[], []] if st.k_max is None else [st.k_max.tolist(), st.k_min.tolist()]
+            rng = [[], []] if st.k_max is None else [_finite_or_zero(st.k_max),
+                                                     _finite_or_zero(st.k_min)]
             out[getattr(mod, "layer_name", "?")] = st.amax.tolist() + [int(st.tokens), *rng]
     return out
 

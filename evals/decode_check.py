@@ -1,0 +1,98 @@
+"""Greedy generation through the decode path, each KV dtype against BF16 ("auto").
+
+Fidelity (evals/fidelity.py) scores prompts, which only exercises prefill; this script
+generates: every new token reads the whole context from the cache through the decode kernel
+(on the GPU inside CUDA graphs, unless `+eager`). For each GSM8K question (zero-shot
+"Question: ...\\nAnswer:") it records the generated text and how many tokens match the BF16
+run before the first difference. A broken decode path shows as near-zero agreement and
+garbage text; a sound lossy cache as long common prefixes that drift apart later.
+
+    python evals/decode_check.py --model qwen --dtypes auto nvfp4 nvfp4+eager \\
+        --out evals/results/decode_check_qwen_h200.json
+
+Dtype tokens: auto, fp8, nvfp4; `+eager` adds enforce_eager (no CUDA graphs, no compile);
+`+noscales` drops NVFP4KV_SCALES_FILE for that run (K centering / calibrated scales off).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import assets  # noqa: E402
+from fidelity import gsm8k_path  # noqa: E402
+
+
+def questions(n: int) -> list[str]:
+    rows = [json.loads(x) for x in gsm8k_path().read_text().splitlines()[:n]]
+    return [f"Question: {r['question']}\nAnswer:" for r in rows]
+
+
+def generate(model: str, token: str, prompts: list[str], max_tokens: int, on_gpu: bool) -> dict:
+    dtype, *flags = token.split("+")
+    if "noscales" in flags:
+        os.environ.pop("NVFP4KV_SCALES_FILE", None)
+    from vllm import LLM, SamplingParams
+    kw = dict(gpu_memory_utilization=0.4, enforce_eager="eager" in flags) if on_gpu else dict(
+        kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+    llm = LLM(model=model, kv_cache_dtype=dtype, max_model_len=2048, block_size=16, seed=0,
+              **kw)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0),
+                        use_tqdm=False)
+    return {"kv_dtype": token, "scales_file": os.environ.get("NVFP4KV_SCALES_FILE"),
+            "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+            "texts": [o.outputs[0].text for o in outs]}
+
+
+def agreement(ref: list[list[int]], run: list[list[int]]) -> dict:
+    """Tokens equal to the reference before the first difference, per prompt and in all."""
+    common = []
+    for a, b in zip(ref, run):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        common.append(k)
+    return {"common_prefix": common,
+            "common_prefix_fraction": sum(common) / max(1, sum(len(a) for a in ref))}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2, qwen or an HF folder")
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "nvfp4"])
+    ap.add_argument("--questions", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", default="evals/results/decode_check.json")
+    args = ap.parse_args()
+    on_gpu = assets.engine_env()
+    model = {"smollm2": assets.smollm2, "qwen": assets.qwen_coder}.get(
+        args.model, lambda: args.model)()
+    prompts = questions(args.questions)
+    rows = assets.rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: generate(
+        str(model), dt, prompts, args.max_tokens, on_gpu))
+    ref = next((r for r in rows if r.get("kv_dtype") == "auto" and "token_ids" in r), None)
+    for r in rows:
+        if ref is not None and "token_ids" in r:
+            r.update(agreement(ref["token_ids"], r["token_ids"]))
+    import torch
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+           "model": str(model), "questions": args.questions, "max_tokens": args.max_tokens,
+           "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print("| KV dtype | tokens equal to BF16 before the first difference | first answer |")
+    print("|---|---:|---|")
+    for r in rows:
+        frac = r.get("common_prefix_fraction")
+        text = (r.get("texts") or [r.get("error", "")])[0][:90].replace("\n", " ")
+        print(f"| {r['kv_dtype']} | {'' if frac is None else f'{frac:.1%}'} | {text} |")
+
+
+if __name__ == "__main__":
+    main()
