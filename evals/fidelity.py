@@ -294,9 +294,9 @@ def variants(args, model, on_gpu):
             print(f"{k}: {res[k]:.4f}")
 
 
-def _opts(four_over_six: str, rotate_k: str, rotate_v: str) -> dict:
+def _opts(four_over_six: str, rotate_k: str, rotate_v: str, center_k: str = "0") -> dict:
     return {"NVFP4KV_FOUR_OVER_SIX": four_over_six, "NVFP4KV_ROTATE_K": rotate_k,
-            "NVFP4KV_ROTATE_V": rotate_v}
+            "NVFP4KV_ROTATE_V": rotate_v, "NVFP4KV_CENTER_K": center_k}
 
 
 OPTIONS = {  # name -> environment of the run (every option explicit: defaults may change)
@@ -335,6 +335,8 @@ VARIANTS["k-outliers"] = [
     _file_row("center K", "{center}", "1"),
     _file_row("center K", "{center}", "0"),
     _file_row("center K", "{center}", "1", rotate_k="1"),
+    ("nvfp4 + online center K + rotate K + 4over6 (defaults)", "nvfp4",
+     _opts("1", "1", "0", center_k="auto")),
     _file_row("center + smooth K", "{center+smooth}", "1"),
     _file_row("center + smooth K", "{center+smooth}", "0"),
 ]

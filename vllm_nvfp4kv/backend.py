@@ -25,7 +25,7 @@ from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, wri
 from vllm_nvfp4kv.kernels.decode import choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.cache_space import CacheSpace
-from vllm_nvfp4kv.calibration import k_transform, prepare_write
+from vllm_nvfp4kv.calibration import k_mid_range, k_transform, log_once, prepare_write
 from vllm_nvfp4kv.scales import K_OUTLIER_RATIO, check_scales, global_scales, k_outlier_ratio
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_dtype, workspace_views
 
@@ -38,6 +38,10 @@ def options() -> dict:
     NVFP4KV_ROTATE_K (default auto = on for power-of-two head sizes, off for layers with K
       smoothing): Hadamard-rotate K, and Q with it so q.k is unchanged, before caching.
     NVFP4KV_ROTATE_V (default 0): also rotate V, and rotate the attention output back.
+    NVFP4KV_CENTER_K (default auto): K centering without a scales file: a layer whose first
+      real batch shows K outlier channels (scales.K_OUTLIER_RATIO) caches K - mu from then
+      on, mu that batch's per-channel mid-range (1: every layer; 0: never). A scales file's
+      centering comes first; layers with sinks or a soft-cap are never centered.
     NVFP4KV_PREFILL_FROM_CACHE (default 0): prefill attends over the chunk's own K/V as read
       back from the cache instead of the exact values (the seed design), so that a prefix-cache
       hit on the same tokens later computes exactly the same thing (identical requests give
@@ -46,7 +50,15 @@ def options() -> dict:
     return {"four_over_six": env("NVFP4KV_FOUR_OVER_SIX", "1") == "1",
             "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
             "rotate_v": env("NVFP4KV_ROTATE_V", "0") == "1",
+            "center_k": _choice("NVFP4KV_CENTER_K", "auto", ("auto", "0", "1")),
             "prefill_from_cache": env("NVFP4KV_PREFILL_FROM_CACHE", "0") == "1"}
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    val = os.environ.get(name, default)
+    if val not in allowed:
+        raise ValueError(f"{name}={val!r}: expected one of {', '.join(allowed)}")
+    return val
 
 
 class NvFp4AttentionBackend(AttentionBackend):
@@ -263,6 +275,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                              f"{head_size}; unset them for this model")
         self.four_over_six = opts["four_over_six"]
         self.rotate_k_option = opts["rotate_k"]
+        self.center_k_option = opts["center_k"]
+        self._online_center = False  # k_sub reserved (zeros), set at the first real batch
         # what the cache stores; K centering/smoothing join at the layer's first eager write
         self.space = CacheSpace(rotate_k=opts["rotate_k"] == "1" or (
             opts["rotate_k"] == "auto" and pow2), rotate_v=opts["rotate_v"])
@@ -290,10 +304,13 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         t = slot_mapping.shape[0]
         key, value = key[:t], value[:t]
         eager = not (key.is_cuda and torch.cuda.is_current_stream_capturing())
-        if eager and not self._space_ready:
-            self._init_space(layer, key)
+        if not self._space_ready:
+            if eager:
+                self._init_space(layer, key)
+            else:  # captured before any eager write: the space stays as the graphs saw it
+                self._space_ready = True
         if eager and not self._outliers_checked:
-            self._check_k_outliers(layer, self.space.unrotated_key(key), slot_mapping)
+            self._first_real_batch(layer, key, slot_mapping)
         key, value = self.space.key(key), self.space.value(value)
         prepare_write(layer, key, value, slot_mapping)  # calibration: may fix k/v_scale first
         # once, at the first write outside graph capture (a host read of the two scalars)
@@ -308,8 +325,6 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         smoothing from the scales file; smoothing turns the rotation of K off."""
         self._space_ready = True
         mu, s = k_transform(layer, key.device)
-        if mu is None and s is None:
-            return
         name = getattr(layer, "layer_name", "?")
         for what, t in (("centering", mu), ("smoothing", s)):
             if t is not None and t.shape != (self.num_kv_heads, self.head_size):
@@ -327,27 +342,42 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             self.space.rotate_k = False
         # centering keeps the rotation as configured: rotating K - mu is as exact as rotating
         # K, and the two together measured best (Qwen2.5 KL 0.0034 vs 0.0055 without, README)
+        if mu is None and self.center_k_option != "0" and self.sinks is None \
+                and not self.softcap:
+            # reserved now, before any CUDA graph captures the subtraction; zeros until the
+            # first real batch decides (_first_real_batch)
+            mu = torch.zeros(self.num_kv_heads, self.head_size, device=key.device)
+            self._online_center = True
         if mu is not None:
             self.space.set_center(mu, key.dtype)
         if s is not None:
             self.space.set_smoothing(s, self.num_heads, key.dtype)
 
-    def _check_k_outliers(self, layer, key, slot_mapping) -> None:
-        """Once per layer, at its first batch of real tokens: warn when K (centered and
-        smoothed, where it is) has outlier channels that 4-bit blocks of 16 cannot hold (the
-        model will lose accuracy badly)."""
-        ratio = k_outlier_ratio(key, slot_mapping)
+    def _first_real_batch(self, layer, key, slot_mapping) -> None:
+        """Once per layer, at its first batch of real tokens (eager: warm-up and capture
+        batches have every slot -1): online K centering where it is on and K (smoothed and
+        centered by a file, where it is) has outlier channels that 4-bit blocks of 16 cannot
+        hold; then a warning if they remain (the model will lose accuracy badly)."""
+        ratio = k_outlier_ratio(self.space.unrotated_key(key), slot_mapping)
         if ratio is None:  # dummy / warm-up batch (all slots padded)
             return
         self._outliers_checked = True
+        name = getattr(layer, "layer_name", "?")
+        if self._online_center and (self.center_k_option == "1" or ratio > K_OUTLIER_RATIO):
+            self.space.k_sub.copy_(k_mid_range(key, slot_mapping))  # in place: graphs hold it
+            before, ratio = ratio, k_outlier_ratio(self.space.unrotated_key(key), slot_mapping)
+            log_once("center", "NVFP4 KV cache: K centering from the first real batch "
+                      "(NVFP4KV_CENTER_K=%s), e.g. layer %s: K outlier ratio %.0f -> %.0f",
+                      self.center_k_option, name, before, ratio)
         if ratio > K_OUTLIER_RATIO:
             logger.warning(
                 "NVFP4 KV cache: layer %s has K outlier channels (max/median channel amax "
                 "%.0f > %.0f, e.g. a k_proj bias as in Qwen2): each 16-value block holding one "
                 "rounds its other values to 0 and accuracy collapses (README, Qwen2.5 "
                 "fidelity). Calibrate K centering (python -m vllm_nvfp4kv.calibration "
-                "--center-k, then NVFP4KV_SCALES_FILE) or use --kv-cache-dtype fp8.",
-                getattr(layer, "layer_name", "?"), ratio, K_OUTLIER_RATIO)
+                "--center-k, then NVFP4KV_SCALES_FILE; online centering is off with "
+                "NVFP4KV_CENTER_K=0, sinks or a soft-cap) or use --kv-cache-dtype fp8.",
+                name, ratio, K_OUTLIER_RATIO)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: NvFp4Metadata | None,

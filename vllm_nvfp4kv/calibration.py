@@ -69,7 +69,7 @@ _ATTR = "_nvfp4kv_calibration"     # per-layer state, set on the attention layer
 _logged: set[str] = set()
 
 
-def _log(key: str, msg: str, *args, level: str = "info") -> None:
+def log_once(key: str, msg: str, *args, level: str = "info") -> None:
     """Once per key and process, to the backend's logger (under "vllm": vLLM's config)."""
     if key in _logged:
         return
@@ -121,7 +121,7 @@ def load_scales_file(path: str) -> dict[str, tuple[float, float]]:
             continue  # calibrated unrotated on purpose (centering offsets need raw K)
         want = meta.get(opt)
         if want is not None and want != os.environ.get(opt, _ROTATE_DEFAULTS[opt]):
-            _log("rot" + opt, "NVFP4 KV: %s was calibrated with %s=%s but runs with %s; K/V "
+            log_once("rot" + opt, "NVFP4 KV: %s was calibrated with %s=%s but runs with %s; K/V "
                  "magnitudes differ with and without rotation, recalibrate", path, opt, want,
                  os.environ.get(opt, _ROTATE_DEFAULTS[opt]), level="warning")
     return out
@@ -267,12 +267,12 @@ def init_layer(layer, device) -> LayerCalibration:
             source = "file"
         else:
             if cfg["file"]:
-                _log("missing" + name, "NVFP4 KV: layer %s is not in NVFP4KV_SCALES_FILE=%s; "
+                log_once("missing" + name, "NVFP4 KV: layer %s is not in NVFP4KV_SCALES_FILE=%s; "
                      "it uses %s", name, cfg["file"],
                      "online calibration" if cfg["online"] else "1.0", level="warning")
             online = cfg["online"]
             source = "online" if online else "default"
-    _log("settings" if source != "default" or cfg["file"] or cfg["collect"] else "settings0",
+    log_once("settings" if source != "default" or cfg["file"] or cfg["collect"] else "settings0",
          "NVFP4 KV global scales: checkpoint scales %s, NVFP4KV_SCALES_FILE=%s, "
          "NVFP4KV_CALIBRATE=%s (layer %s: %s)", cfg["checkpoint"], cfg["file"] or "-",
          "online" if cfg["online"] else "collect" if cfg["collect"] else "off", name, source,
@@ -339,10 +339,10 @@ def prepare_write(layer, key: torch.Tensor, value: torch.Tensor,
             fixed.append(f"{side}_scale={float(new[i]):g} (amax {a:.4g})")
     st.done = bool(st.flag.all())
     if fixed:
-        _log("online", "NVFP4 KV: online calibration fixed global scales from the first real "
+        log_once("online", "NVFP4 KV: online calibration fixed global scales from the first real "
              "batch (%d tokens), e.g. layer %s: %s", n, getattr(layer, "layer_name", "?"),
              ", ".join(fixed))
-        _log("online " + getattr(layer, "layer_name", "?"), "NVFP4 KV online scales %s: %s",
+        log_once("online " + getattr(layer, "layer_name", "?"), "NVFP4 KV online scales %s: %s",
              getattr(layer, "layer_name", "?"), ", ".join(fixed), level="debug")
 
 
@@ -355,6 +355,14 @@ def _channel_range(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, 
     keep = torch.isfinite(x) & valid[:, None, None]
     inf = torch.tensor(float("inf"), device=x.device)
     return torch.where(keep, x, -inf).amax(0), torch.where(keep, x, inf).amin(0)
+
+
+def k_mid_range(key: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Per-channel (max + min) / 2 [H, D] fp32 of the rows of key [T, H, D] with a slot (0 for
+    a channel without a finite value): online K centering's offsets (the backend)."""
+    hi, lo = _channel_range(key, slot_mapping >= 0)
+    mid = (hi + lo) / 2
+    return torch.where(torch.isfinite(mid), mid, 0.0)
 
 
 def _finite_or_zero(t: torch.Tensor) -> list:
@@ -395,6 +403,7 @@ def calibrate(model: str, texts: list[str], out: str, headroom: float = OFFLINE_
     offsets and divisors apply before any rotation; smoothed layers do not rotate K)."""
     os.environ["NVFP4KV_CALIBRATE"] = "collect"
     os.environ.pop("NVFP4KV_SCALES_FILE", None)
+    os.environ["NVFP4KV_CENTER_K"] = "0"  # K recorded as the model computes it
     if center_k or smooth_k:
         os.environ["NVFP4KV_ROTATE_K"] = "0"
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's callable
