@@ -20,6 +20,15 @@ HQ, H, D, N = 4, 2, 64, 16
 REQS = [(20, 1), (35, 1), (40, 7), (0, 9)]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_outlier_models():
+    """NVFP4KV_CENTER_K=auto remembers models with K outliers per process; the impls made
+    here share one model name."""
+    backend._K_OUTLIER_MODELS.clear()
+    yield
+    backend._K_OUTLIER_MODELS.clear()
+
+
 def _fp8(x, div):
     """What an E4M3 round trip with this scale leaves of x (the FP8 workspace)."""
     return (x.float() / div).clamp(-448, 448).to(torch.float8_e4m3fn).float() * div
@@ -279,6 +288,33 @@ def test_online_k_centering_at_the_first_real_batch(rotate_k):
     assert off.space.k_sub is None
     # measured (torch 2.11 CPU, rotation off / on): online 0.19 / 0.16, off 1.11 / 1.35
     assert err < 0.25 and abs(err - file_err) < 0.02 and off_err > 0.9
+
+
+def test_online_k_centering_is_model_wide_once_a_layer_shows_outliers():
+    """auto: a layer without outliers whose first real batch comes after one with them (the
+    same model) is centered too; another model is not."""
+    k, v, q = _outlier_case()
+    torch.manual_seed(2)
+    k2, v2, q2 = torch.randn(64, H, D), torch.randn(64, H, D), torch.randn(1, HQ, D)
+    _, plain = _decode_error(k2, v2, q2, None, None, "auto", with_impl=True)
+    assert (plain.space.k_sub == 0).all()
+    _decode_error(k, v, q, None, None, "auto", with_impl=True)  # layer 0: outliers
+    _, later = _decode_error(k2, v2, q2, None, None, "auto", with_impl=True)
+    kb = k2.bfloat16().float()
+    torch.testing.assert_close(later.space.k_sub.float(),
+                               ((kb.amax(0) + kb.amin(0)) / 2).bfloat16().float())
+    with mock.patch.object(NvFp4AttentionImpl, "__init__", _with_model("other")):
+        _, other = _decode_error(k2, v2, q2, None, None, "auto", with_impl=True)
+    assert (other.space.k_sub == 0).all()
+
+
+def _with_model(name):
+    init = NvFp4AttentionImpl.__init__
+
+    def patched(self, *a, **kw):
+        init(self, *a, **kw)
+        self._model = name
+    return patched
 
 
 def test_online_k_centering_only_where_needed():
