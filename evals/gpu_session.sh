@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|mmlu|decode-check|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-online|mmlu|decode-check|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # Real-model weights travel in parts (the per-call limit): .models/{a,b,c}/gguf.0N are
 # appended to /tmp/models/g in three calls; once complete, /tmp/models is a package path that
@@ -106,8 +106,11 @@ case "${1:?stage}" in
   gsm8k)    [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
             timeout 580 python3 evals/lm_eval_kv.py --model qwen --dtypes auto fp8 nvfp4 \
                 --out "$OUT/gsm8k_qwen_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  # NVFP4 without a scales file: K centering online, from each layer's first real batch
+  gsm8k-online) timeout 580 python3 evals/lm_eval_kv.py --model qwen --dtypes nvfp4 \
+                --out "$OUT/gsm8k_qwen_h200_online_center.json" 2>&1 | grep -E "^\||Error" ;;
   mmlu)     [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
-            timeout 580 python3 evals/lm_eval_kv.py --task mmlu --model qwen --dtypes fp8 nvfp4 \
+            timeout 580 python3 evals/lm_eval_kv.py --task mmlu --model qwen --dtypes auto fp8 nvfp4 \
                 --limit 1000 --out "$OUT/mmlu_qwen_h200.json" 2>&1 | grep -E "^\||Error" ;;
   # greedy generation (decode path) against BF16; NVFP4 with the Qwen scales file when present
   decode-check) [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
