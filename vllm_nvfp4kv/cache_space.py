@@ -2,8 +2,9 @@
 read the cache do about it (README "Accuracy options"). Each option is a change the attention
 output cannot see:
 
-* K centering (a scales file from ``python -m vllm_nvfp4kv.calibration --center-k``): K is
-  cached as K - mu, mu a per-channel constant [Hkv, D] (the calibration's mid-range). Every
+* K centering (a scales file from ``python -m vllm_nvfp4kv.calibration --center-k``, or
+  online, ``NVFP4KV_CENTER_K``: the layer's first real batch): K is cached as K - mu, mu a
+  per-channel constant [Hkv, D] (a mid-range). Every
   score of a query then moves by the same q.mu, which softmax ignores: exact, with no change
   to Q. It removes outlier channels that are a constant offset after RoPE (Qwen2's k_proj
   bias in its slowly rotating channel pairs). Not for layers with attention sinks or a
@@ -19,7 +20,7 @@ output cannot see:
 Every key of one softmax must be in the same space: the chunk's own exact keys join a cached
 prefix transformed like it. Rows that attend only the step's exact K/V (an initial prefill)
 need none of this. Plain torch: elementwise ops and one matmul, captured by CUDA graphs (the
-tensors are fixed at the layer's first eager write).
+tensors exist from the layer's first eager write; online centering fills k_sub in place).
 """
 from __future__ import annotations
 
