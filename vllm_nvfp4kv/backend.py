@@ -377,8 +377,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             self.space.k_sub.copy_(k_mid_range(key, slot_mapping))  # in place: graphs hold it
             before, ratio = ratio, k_outlier_ratio(self.space.unrotated_key(key), slot_mapping)
             log_once("center", "NVFP4 KV cache: K centering from the first real batch "
-                      "(NVFP4KV_CENTER_K=%s), e.g. layer %s: K outlier ratio %.0f -> %.0f",
-                      self.center_k_option, name, before, ratio)
+                     "(NVFP4KV_CENTER_K=%s), e.g. layer %s: K outlier ratio %.0f -> %.0f",
+                     self.center_k_option, name, before, ratio)
         if ratio > K_OUTLIER_RATIO:
             logger.warning(
                 "NVFP4 KV cache: layer %s has K outlier channels (max/median channel amax "

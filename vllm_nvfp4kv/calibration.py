@@ -122,8 +122,8 @@ def load_scales_file(path: str) -> dict[str, tuple[float, float]]:
         want = meta.get(opt)
         if want is not None and want != os.environ.get(opt, _ROTATE_DEFAULTS[opt]):
             log_once("rot" + opt, "NVFP4 KV: %s was calibrated with %s=%s but runs with %s; K/V "
-                 "magnitudes differ with and without rotation, recalibrate", path, opt, want,
-                 os.environ.get(opt, _ROTATE_DEFAULTS[opt]), level="warning")
+                     "magnitudes differ with and without rotation, recalibrate", path, opt, want,
+                     os.environ.get(opt, _ROTATE_DEFAULTS[opt]), level="warning")
     return out
 
 
@@ -268,15 +268,15 @@ def init_layer(layer, device) -> LayerCalibration:
         else:
             if cfg["file"]:
                 log_once("missing" + name, "NVFP4 KV: layer %s is not in NVFP4KV_SCALES_FILE=%s; "
-                     "it uses %s", name, cfg["file"],
-                     "online calibration" if cfg["online"] else "1.0", level="warning")
+                         "it uses %s", name, cfg["file"],
+                         "online calibration" if cfg["online"] else "1.0", level="warning")
             online = cfg["online"]
             source = "online" if online else "default"
     log_once("settings" if source != "default" or cfg["file"] or cfg["collect"] else "settings0",
-         "NVFP4 KV global scales: checkpoint scales %s, NVFP4KV_SCALES_FILE=%s, "
-         "NVFP4KV_CALIBRATE=%s (layer %s: %s)", cfg["checkpoint"], cfg["file"] or "-",
-         "online" if cfg["online"] else "collect" if cfg["collect"] else "off", name, source,
-         level="info" if source != "default" or cfg["file"] or cfg["collect"] else "debug")
+             "NVFP4 KV global scales: checkpoint scales %s, NVFP4KV_SCALES_FILE=%s, "
+             "NVFP4KV_CALIBRATE=%s (layer %s: %s)", cfg["checkpoint"], cfg["file"] or "-",
+             "online" if cfg["online"] else "collect" if cfg["collect"] else "off", name, source,
+             level="info" if source != "default" or cfg["file"] or cfg["collect"] else "debug")
     st = LayerCalibration(source, device, online, cfg["collect"], cfg["headroom"])
     setattr(layer, _ATTR, st)
     return st
@@ -340,17 +340,17 @@ def prepare_write(layer, key: torch.Tensor, value: torch.Tensor,
     st.done = bool(st.flag.all())
     if fixed:
         log_once("online", "NVFP4 KV: online calibration fixed global scales from the first real "
-             "batch (%d tokens), e.g. layer %s: %s", n, getattr(layer, "layer_name", "?"),
-             ", ".join(fixed))
+                 "batch (%d tokens), e.g. layer %s: %s", n, getattr(layer, "layer_name", "?"),
+                 ", ".join(fixed))
         log_once("online " + getattr(layer, "layer_name", "?"), "NVFP4 KV online scales %s: %s",
-             getattr(layer, "layer_name", "?"), ", ".join(fixed), level="debug")
+                 getattr(layer, "layer_name", "?"), ", ".join(fixed), level="debug")
 
 
 def _channel_range(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(max, min) per channel [H, D] over the rows of x [T, H, D] where valid, NaN/Inf
     ignored; -inf / +inf where a channel has no finite valid value, so that a batch without
     data (vLLM's warm-up and capture batches: every slot -1) leaves the running range as it
-    was. A 0 there would pull every channel's range to 0: mid-ranges halved, 2026-12-04)."""
+    was (a 0 there pulled every channel's range to 0 and halved mid-ranges, 2026-12-04)."""
     x = x.detach().float()
     keep = torch.isfinite(x) & valid[:, None, None]
     inf = torch.tensor(float("inf"), device=x.device)
