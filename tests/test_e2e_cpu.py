@@ -38,8 +38,15 @@ def outputs():
     from vllm_nvfp4kv import prefill
     sp = SamplingParams(max_tokens=12, temperature=0, detokenize=False)
     res = {}
-    for dtype in ("auto", "nvfp4"):
-        llm = _llm(dtype)
+    for dtype in ("auto", "nvfp4", "nvfp4 centered"):
+        # NVFP4KV_CENTER_K=1: every layer centered online (auto waits for outlier channels,
+        # which dummy weights do not have); read when the engine builds its layers
+        with pytest.MonkeyPatch.context() as mp:
+            if dtype == "nvfp4 centered":
+                mp.setenv("NVFP4KV_CENTER_K", "1")
+            else:
+                mp.delenv("NVFP4KV_CENTER_K", raising=False)  # the default, auto
+            llm = _llm(dtype.split()[0])
         calls = []
         orig = prefill.gather_into
         prefill.gather_into = lambda *a, **k: (calls.append(a[3]), orig(*a, **k))[1]
@@ -49,11 +56,14 @@ def outputs():
             second = llm.generate(ps[-1:], sp)  # shares an 80-token prefix with ps[-2]
         finally:
             prefill.gather_into = orig
-        backend = llm.llm_engine.model_executor.driver_worker.worker.model_runner \
-            .attn_groups[0][0].backend.get_name() if dtype == "nvfp4" else None
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        backend = runner.attn_groups[0][0].backend.get_name() if dtype != "auto" else None
+        impls = [m.impl for m in runner.model.modules() if hasattr(m, "impl")]
         res[dtype] = dict(tokens=[o.outputs[0].token_ids for o in first + second],
                           cached=second[0].num_cached_tokens, gathers=len(calls),
-                          backend=backend)
+                          backend=backend,
+                          k_sub=[getattr(getattr(i, "space", None), "k_sub", None)
+                                 for i in impls])
         del llm
     return res
 
@@ -73,3 +83,13 @@ def test_greedy_tokens_match_bf16_cache(outputs):
     assert len(a) == len(b) == 6
     # dummy weights give confident argmaxes here; NVFP4 error must not flip them
     assert a == b
+
+
+def test_online_k_centering_in_the_engine(outputs):
+    """NVFP4KV_CENTER_K=1 through a real engine: every layer's offsets were set from its first
+    real batch (after vLLM's dummy runs), and the outputs still match the BF16 cache. With the
+    default (auto) the offsets are reserved but stay zero: dummy K has no outlier channels."""
+    o = outputs["nvfp4 centered"]
+    assert o["k_sub"] and all(k is not None and k.abs().sum() > 0 for k in o["k_sub"])
+    assert all(k is not None and (k == 0).all() for k in outputs["nvfp4"]["k_sub"])
+    assert o["tokens"] == outputs["auto"]["tokens"]
