@@ -11,7 +11,8 @@ garbage text; a sound lossy cache as long common prefixes that drift apart later
         --out evals/results/decode_check_qwen_h200.json
 
 Dtype tokens: auto, fp8, nvfp4; `+eager` adds enforce_eager (no CUDA graphs, no compile);
-`+noscales` drops NVFP4KV_SCALES_FILE for that run (K centering / calibrated scales off).
+`+noscales` drops NVFP4KV_SCALES_FILE for that run (the file's scales and K centering off:
+the defaults, online K centering included).
 """
 from __future__ import annotations
 
