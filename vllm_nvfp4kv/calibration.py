@@ -357,17 +357,16 @@ def _channel_range(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, 
     return torch.where(keep, x, -inf).amax(0), torch.where(keep, x, inf).amin(0)
 
 
-def k_mid_range(key: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """Per-channel (max + min) / 2 [H, D] fp32 of the rows of key [T, H, D] with a slot (0 for
-    a channel without a finite value): online K centering's offsets (the backend)."""
-    hi, lo = _channel_range(key, slot_mapping >= 0)
-    mid = (hi + lo) / 2
-    return torch.where(torch.isfinite(mid), mid, 0.0)
-
-
-def _finite_or_zero(t: torch.Tensor) -> list:
+def _seen(t: torch.Tensor) -> torch.Tensor:
     """A channel that never saw a value: range [0, 0] (nothing to center)."""
-    return torch.where(torch.isfinite(t), t, 0.0).tolist()
+    return torch.where(torch.isfinite(t), t, 0.0)
+
+
+def k_mid_range(key: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Online K centering's offsets [H, D] fp32 (the backend): the offline rule
+    (scales.k_center_and_smoothing) over the rows of key [T, H, D] with a slot."""
+    hi, lo = _channel_range(key, slot_mapping >= 0)
+    return k_center_and_smoothing(_seen(hi), _seen(lo), center=True, smooth=False)[0]
 
 
 # ------------------------------------------------------------------ CUDA-graph guard
@@ -388,8 +387,8 @@ def collected(model) -> dict[str, list]:
     for mod in model.modules():
         st = getattr(mod, _ATTR, None)
         if st is not None and st.amax is not None:
-            rng = [[], []] if st.k_max is None else [_finite_or_zero(st.k_max),
-                                                     _finite_or_zero(st.k_min)]
+            rng = [[], []] if st.k_max is None else [_seen(st.k_max).tolist(),
+                                                     _seen(st.k_min).tolist()]
             out[getattr(mod, "layer_name", "?")] = st.amax.tolist() + [int(st.tokens), *rng]
     return out
 
