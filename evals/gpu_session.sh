@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-online|mmlu|decode-check|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-32k-nvfp4|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|decode-check|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -84,6 +84,10 @@ case "${1:?stage}" in
   sweep-32k) timeout 570 python3 evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 32768 \
                 --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \
                 --concurrency 7 2 --budget-s 400 --out "$OUT/serve_sweep_h200_32k.json" 2>&1 | tail -12 ;;
+  # the NVFP4 half of sweep-32k alone (join: serve_bench.py --combine)
+  sweep-32k-nvfp4) timeout 540 python3 evals/serve_bench.py --dtypes nvfp4 --input-len 32768 \
+                --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \
+                --concurrency 7 --budget-s 330 --out "$OUT/serve_sweep_h200_32k_nvfp4.json" 2>&1 | tail -8 ;;
   sweep-128k) timeout 570 python3 evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 129984 \
                 --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \
                 --concurrency 2 --prompts-per-concurrency 1 --budget-s 420 \
@@ -107,11 +111,15 @@ case "${1:?stage}" in
   gsm8k)    [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
             timeout 580 python3 evals/lm_eval_kv.py --model qwen --dtypes auto fp8 nvfp4 \
                 --out "$OUT/gsm8k_qwen_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  # NVFP4 alone with the CPU-made file (BF16/FP8 rows: stage gsm8k, same setup)
+  gsm8k-file) NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json timeout 580 python3 evals/lm_eval_kv.py \
+                --model qwen --dtypes nvfp4 --out "$OUT/gsm8k_qwen_h200_file.json" 2>&1 \
+                | grep -E "^\||Error" ;;
   # NVFP4 without a scales file: K centering online, from each layer's first real batch
   gsm8k-online) timeout 580 python3 evals/lm_eval_kv.py --model qwen --dtypes nvfp4 \
                 --out "$OUT/gsm8k_qwen_h200_online_center.json" 2>&1 | grep -E "^\||Error" ;;
-  mmlu)     [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
-            timeout 580 python3 evals/lm_eval_kv.py --task mmlu --model qwen --dtypes auto fp8 nvfp4 \
+  # the defaults (NVFP4: online K centering)
+  mmlu)     timeout 580 python3 evals/lm_eval_kv.py --task mmlu --model qwen --dtypes auto fp8 nvfp4 \
                 --limit 1000 --out "$OUT/mmlu_qwen_h200.json" 2>&1 | grep -E "^\||Error" ;;
   # greedy generation (decode path) against BF16; NVFP4 with the Qwen scales file when present
   decode-check) [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json

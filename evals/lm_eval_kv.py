@@ -297,6 +297,31 @@ def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
 BASELINES = ("fp8", "auto")
 
 
+def join(parts: list[dict], files: list[str]) -> dict:
+    """Rows of separate runs over the same questions (e.g. one dtype rerun in a later GPU
+    session) in one result; each row keeps the date, device and versions of its run."""
+    for k in ("task", "limit", "prefill_chunk", "device"):
+        if len({json.dumps(p[k]) for p in parts}) != 1:
+            raise SystemExit(f"--join: the results differ in {k}")
+    if len({Path(p["model"]).name for p in parts}) != 1:
+        raise SystemExit("--join: the results come from different models")
+    rows: dict[str, dict] = {}
+    for p, f in zip(parts, files):
+        for r in p["rows"]:
+            r = {k: v for k, v in r.items() if not k.startswith(("diff_vs_", "agreement_vs_"))}
+            rows[r["kv_dtype"]] = {**r, "run": {"file": Path(f).name, "date": p["date"],
+                                                "versions": p["versions"],
+                                                "nvfp4kv_env": p["nvfp4kv_env"]}}
+    if len({len(r["per_doc"]) for r in rows.values()}) != 1:
+        raise SystemExit("--join: the runs scored different numbers of questions")
+    res = {**parts[-1], "joined_from": [Path(f).name for f in files],
+           "rows": sorted(rows.values(), key=lambda r: ["auto", "fp8"].index(r["kv_dtype"])
+                          if r["kv_dtype"] in ("auto", "fp8") else 2)}
+    res["date"] = max(p["date"] for p in parts)
+    add_paired_differences(res["rows"])
+    return res
+
+
 def prediction(resps: list):
     """The answer a document's responses give: MMLU the argmax choice (first on ties, as
     lm-eval's acc), GSM8K the extracted answer."""
@@ -363,7 +388,15 @@ def main():
     ap.add_argument("--tasks-dir", default=str(Path.home() / ".cache" / "vllm-nvfp4kv" /
                                               "lm_eval_tasks"))
     ap.add_argument("--out", help="default: evals/results/TASK.json")
+    ap.add_argument("--join", nargs="+", metavar="JSON", help="no run: join the rows of "
+                    "earlier results of the same task, model and questions (a later file's "
+                    "dtype replaces an earlier's), with paired differences, into --out")
     args = ap.parse_args()
+    if args.join:
+        res = join([json.loads(Path(f).read_text()) for f in args.join], args.join)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        print(table(res))
+        return
     t = TASKS[args.task]
     out = Path(args.out or f"evals/results/{args.task}.json")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
