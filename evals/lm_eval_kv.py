@@ -5,7 +5,8 @@ Writes a local lm-eval task, then runs, for each dtype,
     lm_eval --model vllm --model_args pretrained=MODEL,kv_cache_dtype=DTYPE,... \\
             --include_path TASKS --tasks TASK
 
-(through lm_eval.simple_evaluate) and records accuracy with its standard error, each
+(through lm_eval.simple_evaluate; `--join A.json B.json --out C.json` instead joins the rows of
+runs made separately, e.g. one dtype rerun in a later GPU session) and records accuracy with its standard error, each
 question's result, and the paired difference (mean and standard error over the same
 questions) to the FP8 and BF16 ("auto") runs where those dtypes are in --dtypes.
 

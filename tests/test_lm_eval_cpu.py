@@ -95,3 +95,22 @@ def test_mmlu_reads_the_nvfp4_cache(tmp_path, model):
     lm_eval_kv.add_paired_differences(rows)
     assert rows[1]["diff_vs_auto"] == rows[1]["per_doc"][0] - rows[0]["per_doc"][0]
     assert rows[1]["agreement_vs_auto"] in (0.0, 1.0) and "diff_vs_fp8" not in rows[1]
+
+
+def test_join_runs_of_separate_sessions():
+    """--join: rows of two runs over the same questions, the later run's dtype replacing the
+    earlier's, paired differences recomputed; runs of other questions are refused."""
+    def run(date, rows):
+        return {"date": date, "device": "GPU", "versions": {}, "model": "/x/qwen", "task":
+                "gsm8k", "limit": None, "prefill_chunk": 0, "nvfp4kv_env": {}, "rows": [
+                    {"kv_dtype": k, "accuracy": sum(p) / len(p), "per_doc": p,
+                     "per_doc_resps": [[str(x)] for x in p]} for k, p in rows.items()]}
+    a = run("d1", {"auto": [1, 1, 0, 1], "nvfp4": [0, 0, 0, 0]})
+    b = run("d2", {"nvfp4": [1, 0, 0, 1]})
+    res = lm_eval_kv.join([a, b], ["a.json", "b.json"])
+    rows = {r["kv_dtype"]: r for r in res["rows"]}
+    assert rows["nvfp4"]["run"]["file"] == "b.json" and rows["auto"]["run"]["date"] == "d1"
+    assert rows["nvfp4"]["diff_vs_auto"] == pytest.approx(-0.25)  # d = 0, -1, 0, 0
+    assert rows["nvfp4"]["agreement_vs_auto"] == 0.75
+    with pytest.raises(SystemExit):
+        lm_eval_kv.join([a, run("d3", {"fp8": [1, 0]})], ["a", "c"])
