@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k|sweep-32k-nvfp4|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|decode-check|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|decode-check|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -81,13 +81,12 @@ case "${1:?stage}" in
                 --offload "${1#multiturn-}" --budget-s 430 \
                 --workload /tmp/multiturn_h200.workload.jsonl \
                 --out "$OUT/multiturn_h200_${1#multiturn-}.json" 2>&1 | tail -12 ;;
-  sweep-32k) timeout 570 python3 evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 32768 \
-                --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \
-                --concurrency 7 2 --budget-s 400 --out "$OUT/serve_sweep_h200_32k.json" 2>&1 | tail -12 ;;
-  # the NVFP4 half of sweep-32k alone (join: serve_bench.py --combine)
-  sweep-32k-nvfp4) timeout 540 python3 evals/serve_bench.py --dtypes nvfp4 --input-len 32768 \
-                --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \
-                --concurrency 7 --budget-s 330 --out "$OUT/serve_sweep_h200_32k_nvfp4.json" 2>&1 | tail -8 ;;
+  # one dtype per call: a server's first start on a fresh machine compiles for ~4 min, so
+  # both in one call ran out of time (2026-12-04); join: serve_bench.py --combine
+  sweep-32k-fp8|sweep-32k-nvfp4) timeout 570 python3 evals/serve_bench.py --dtypes "${1#sweep-32k-}" \
+                --input-len 32768 --output-len 1024 --kv-cache-memory-bytes 17179869184 \
+                --iso-capacity --concurrency 7 2 --budget-s 360 \
+                --out "$OUT/serve_sweep_h200_32k_${1#sweep-32k-}.json" 2>&1 | tail -8 ;;
   sweep-128k) timeout 570 python3 evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 129984 \
                 --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \
                 --concurrency 2 --prompts-per-concurrency 1 --budget-s 420 \

@@ -26,11 +26,12 @@ one and no Llama-3 tokenizer is available offline), its vocabulary size set to t
 On a CPU: SmolLM2-135M-Instruct (dtypes auto nvfp4: vLLM's CPU FP8 KV cache needs AMX).
 
     # H200, 32K in / 1K out, 16 GiB of KV for each dtype (FP8 admits 7, NVFP4 13); points
-    # FP8 7, 2 and NVFP4 13, 7, 2 (C=2 is what --budget-s drops first), one call
-    # (estimated ~7 min):
-    timeout 570 python evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 32768 \\
+    # FP8 7, 2 and NVFP4 13, 7, 2 (C=2 is what --budget-s drops first). Measured: a
+    # server's first start on a fresh machine takes ~4 min (compilation), FP8's two points
+    # ~2 min, NVFP4's C=13 ~1 min; so one dtype per call, then --combine (below):
+    timeout 570 python evals/serve_bench.py --dtypes fp8 --input-len 32768 \\
         --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \\
-        --concurrency 7 2 --budget-s 400 --out evals/results/serve_sweep_h200_32k.json
+        --concurrency 7 2 --budget-s 360 --out evals/results/serve_sweep_h200_32k_fp8.json
     # H200, 128K context (129,984 in + 1,024 out + 64 = Llama-3's 131,072), 20 GiB of KV
     # (FP8 admits 2, NVFP4 4), one prompt per request slot, one call (estimated ~6-7 min):
     timeout 570 python evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 129984 \\
