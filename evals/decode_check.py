@@ -17,7 +17,6 @@ the defaults, online K centering included).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -80,10 +79,7 @@ def main():
     for r in rows:
         if ref is not None and "token_ids" in r:
             r.update(agreement(ref["token_ids"], r["token_ids"]))
-    import torch
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name() if on_gpu else "cpu",
-           "model": str(model), "questions": args.questions, "max_tokens": args.max_tokens,
+    res = {**assets.run_info(on_gpu), "model": str(model), "questions": args.questions, "max_tokens": args.max_tokens,
            "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))

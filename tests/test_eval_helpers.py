@@ -106,3 +106,9 @@ def test_decode_check_agreement_counts_tokens_before_the_first_difference():
     got = decode_check.agreement([[1, 2, 3, 4], [5, 6], [7]], [[1, 2, 9, 4], [5, 6, 7], []])
     assert got["common_prefix"] == [2, 2, 0]
     assert got["common_prefix_fraction"] == 4 / 7
+
+
+def test_run_info_names_device_versions_and_commit():
+    info = assets.run_info(on_gpu=False)
+    assert info["device"] == f"CPU ({os.cpu_count()} cores)" and info["date"][:2] == "20"
+    assert "torch" in info["versions"] and "vllm-nvfp4kv (git)" in info["versions"]
