@@ -271,6 +271,13 @@ def _outlier_case(seed=0):
     return k, torch.randn(64, H, D), torch.randn(1, HQ, D)
 
 
+def _mid(k):
+    """The per-channel mid-range of k [T, H, D] as the backend is given it (BF16) and
+    stores it."""
+    kb = k.bfloat16().float()
+    return ((kb.amax(0) + kb.amin(0)) / 2).bfloat16().float()
+
+
 @pytest.mark.parametrize("rotate_k", ["0", "1"])
 def test_online_k_centering_at_the_first_real_batch(rotate_k):
     """NVFP4KV_CENTER_K=auto (the default), no scales file: the warm-up batch (all slots -1)
@@ -278,11 +285,10 @@ def test_online_k_centering_at_the_first_real_batch(rotate_k):
     mid-range in place (the tensor CUDA graphs captured), and decode is close to exact as
     with a calibrated file; with 0 the outlier stays and decode is far off."""
     k, v, q = _outlier_case()
-    kb = k.bfloat16().float()  # what the backend is given
-    mid = (kb.amax(0) + kb.amin(0)) / 2
+    mid = _mid(k)
     err, impl = _decode_error(k, v, q, None, None, "auto", rotate_k, warm_up=True,
                               with_impl=True)
-    torch.testing.assert_close(impl.space.k_sub.float(), mid.bfloat16().float())
+    torch.testing.assert_close(impl.space.k_sub.float(), mid)
     assert impl._online_center and impl.space.rotate_k == (rotate_k == "1")
     file_err = _decode_error(k, v, q, mid, None, "auto", rotate_k, with_impl=True)[0]
     off_err, off = _decode_error(k, v, q, None, None, "0", rotate_k, with_impl=True)
@@ -301,9 +307,7 @@ def test_online_k_centering_is_model_wide_once_a_layer_shows_outliers():
     assert (plain.space.k_sub == 0).all()
     _decode_error(k, v, q, None, None, "auto", with_impl=True)  # layer 0: outliers
     _, later = _decode_error(k2, v2, q2, None, None, "auto", with_impl=True)
-    kb = k2.bfloat16().float()
-    torch.testing.assert_close(later.space.k_sub.float(),
-                               ((kb.amax(0) + kb.amin(0)) / 2).bfloat16().float())
+    torch.testing.assert_close(later.space.k_sub.float(), _mid(k2))
     _, other = _decode_error(k2, v2, q2, None, None, "auto", with_impl=True, model="other")
     assert (other.space.k_sub == 0).all()
 
@@ -318,9 +322,7 @@ def test_online_k_centering_only_where_needed():
     err_off = _decode_error(k, v, q, None, None, "0", with_impl=True)[0]
     assert auto._online_center and (auto.space.k_sub == 0).all() and err_auto == err_off
     _, forced = _decode_error(k, v, q, None, None, "1", with_impl=True)
-    kb = k.bfloat16().float()
-    torch.testing.assert_close(forced.space.k_sub.float(),
-                               ((kb.amax(0) + kb.amin(0)) / 2).bfloat16().float())
+    torch.testing.assert_close(forced.space.k_sub.float(), _mid(k))
     mu = torch.full((H, D), 0.5)
     _, filed = _decode_error(k, v, q, mu, None, "1", with_impl=True)
     assert not filed._online_center and (filed.space.k_sub == 0.5).all()
