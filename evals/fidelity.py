@@ -16,6 +16,10 @@ data order).
         --out evals/results/fidelity_gemma3_270m_cpu.json             # Gemma 3 270M
     python evals/fidelity.py --variants calibration --texts 48 \
         --out evals/results/fidelity_calibration_smollm2_cpu.json     # CPU or GPU
+    python evals/fidelity.py --plot evals/results/fidelity.png FILE...  # KL of recorded runs
+
+--plot: one panel per model and device of the given result files, a bar per row with its KL
+vs BF16 (log scale); rows without a KL (older files, BF16 itself) are left out, NaN marked.
 
 --variants calibration: one process per row, BF16 / NVFP4 (default options) / NVFP4 + online
 calibration / NVFP4 + offline scales (evals/calibrate.py on GSM8K rows disjoint from the
@@ -156,7 +160,11 @@ def main():
     ap.add_argument("--k-mult", type=float, default=1.0)
     ap.add_argument("--v-mult", type=float, default=1.0)
     ap.add_argument("--dump", help=argparse.SUPPRESS)  # one dtype's per-token data (variants)
+    ap.add_argument("--plot", nargs="+", metavar=("PNG", "JSON"),
+                    help="no run: plot the KL of recorded result files into PNG")
     args = ap.parse_args()
+    if args.plot:
+        return plot(Path(args.plot[0]), [Path(f) for f in args.plot[1:]])
     if args.sweep:  # the accuracy options, each row its own engine (options are read at start)
         args.variants = "options"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -197,6 +205,63 @@ def main():
     print(f"\n{res['device']}, {Path(model).name}, {len(texts)} GSM8K texts, "
           f"{res['rows'][0].get('tokens')} tokens, chunks of {args.chunk}")
     table(res["rows"])
+
+
+def plot_panels(files: list[Path]) -> dict[str, list[tuple[str, float]]]:
+    """(model, device) panel -> [(row label, KL vs BF16)], in file and row order. Rows of a
+    plain run are named by dtype only: their options are the file's environment (or the
+    defaults of its date); in an options sweep a plain nvfp4 row is the one without options."""
+    panels: dict[str, list[tuple[str, float]]] = {}
+    for f in files:
+        res = json.loads(f.read_text())
+        device = "CPU" if res["device"] == "cpu" else res["device"]
+        key = f"{Path(res['model']).name} ({device})"
+        sweep = any(" + " in r["kv_dtype"] for r in res["rows"])
+        env = ", ".join(f"{k}={v}" for k, v in res.get("nvfp4kv_env", {}).items())
+        for r in res["rows"]:
+            if "kl" not in r:
+                continue
+            label = r["kv_dtype"]
+            if label == "fp8":
+                label = "fp8 (scale 1)"
+            elif label == "nvfp4":
+                label = ("nvfp4 (no option)" if sweep else
+                         f"nvfp4 ({env or 'the defaults of ' + res['date'][:10]})")
+            panels.setdefault(key, []).append((label, r["kl"]))
+    return panels
+
+
+def plot(png: Path, files: list[Path]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = plot_panels(files)
+    if not panels:
+        raise SystemExit("--plot: no row with a KL in these files")
+    heights = [0.8 + 0.32 * len(rows) for rows in panels.values()]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    finite = [kl for rows in panels.values() for _, kl in rows if math.isfinite(kl) and kl > 0]
+    lo, hi = min(finite) / 2, max(finite) * 3
+    for ax, (name, rows) in zip(axes[:, 0], panels.items()):
+        y = range(len(rows))
+        kls = [kl if math.isfinite(kl) else hi for _, kl in rows]
+        colors = ["tab:red" if not math.isfinite(kl) else "tab:blue" if label.startswith("fp8")
+                  else "tab:green" for label, kl in rows]
+        ax.barh(list(y), kls, color=colors)
+        for i, (_, kl) in enumerate(rows):
+            ax.text(kls[i], i, f" {kl:.4f}" if math.isfinite(kl) else " NaN", va="center",
+                    fontsize=7)
+        ax.set_yticks(list(y), [label for label, _ in rows], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        ax.set_xlim(lo, hi * 3)
+        ax.set_title(name, fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("next-token KL(BF16 || KV cache) per token, context read from the "
+                           "cache (lower is better)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"-> {png}")
 
 
 def table(rows):

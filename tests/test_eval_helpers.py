@@ -112,3 +112,26 @@ def test_run_info_names_device_versions_and_commit():
     info = assets.run_info(on_gpu=False)
     assert info["device"] == f"CPU ({os.cpu_count()} cores)" and info["date"][:2] == "20"
     assert "torch" in info["versions"] and "vllm-nvfp4kv (git)" in info["versions"]
+
+
+def test_fidelity_plot_panels_by_model_and_device(tmp_path):
+    import fidelity
+    sweep = {"device": "cpu", "model": "/m/smollm2", "date": "2026-12-04T00:00:00",
+             "rows": [{"kv_dtype": "auto", "kl": 0.0}, {"kv_dtype": "nvfp4", "kl": 0.02},
+                      {"kv_dtype": "nvfp4 + 4over6", "kl": 0.01}, {"kv_dtype": "x"}]}
+    plain = {"device": "NVIDIA H200", "model": "/m/smollm2", "date": "2026-12-04T00:00:00",
+             "nvfp4kv_env": {}, "rows": [{"kv_dtype": "nvfp4", "kl": 0.03},
+                                         {"kv_dtype": "fp8", "kl": float("nan")}]}
+    files = []
+    for name, res in (("a.json", sweep), ("b.json", plain)):
+        files.append(tmp_path / name)
+        files[-1].write_text(json.dumps(res))
+    panels = fidelity.plot_panels(files)
+    assert list(panels) == ["smollm2 (CPU)", "smollm2 (NVIDIA H200)"]
+    assert panels["smollm2 (CPU)"] == [("auto", 0.0), ("nvfp4 (no option)", 0.02),
+                                       ("nvfp4 + 4over6", 0.01)]
+    (label, kl), (fp8, nan) = panels["smollm2 (NVIDIA H200)"]
+    assert (label, kl) == ("nvfp4 (the defaults of 2026-12-04)", 0.03)
+    assert fp8 == "fp8 (scale 1)" and nan != nan
+    fidelity.plot(tmp_path / "f.png", files)
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
