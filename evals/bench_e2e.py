@@ -106,7 +106,8 @@ def main():
             print(dt, "failed:", e, flush=True)
             return {"kv_dtype": dt, "error": f"{type(e).__name__}: {e}"[:500]}
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from assets import rows_per_dtype
+    from assets import rows_per_dtype, run_info
+    res["run"] = run_info(torch.cuda.is_available())
     res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, measure)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))

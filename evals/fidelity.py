@@ -188,7 +188,7 @@ def main():
            "texts": len(texts), "chunk_tokens": args.chunk, "block_size": bs,
            "kl": f"top-{args.topk} + rest",
            "nvfp4kv_env": {k: v for k, v in os.environ.items() if k.startswith("NVFP4KV_")},
-           "rows": []}
+           "run": assets.run_info(on_gpu), "rows": []}
     base = None
     for dt in args.dtypes:
         try:
@@ -314,7 +314,8 @@ def variants(args, model, on_gpu):
            "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
            "texts": args.texts, "chunk_tokens": args.chunk, "block_size": bs,
            "kl": f"top-{args.topk} + rest", "k_mult": args.k_mult, "v_mult": args.v_mult,
-           "scales_files": {k[1:-1]: str(f) for k, (f, _) in files.items()}, "rows": rows}
+           "scales_files": {k[1:-1]: str(f) for k, (f, _) in files.items()},
+           "run": __import__("assets").run_info(on_gpu), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for name, dtype, env in VARIANTS[args.variants]:
         Path(args.out).write_text(json.dumps(res, indent=1))  # a run cut short keeps its rows

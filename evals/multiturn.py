@@ -536,7 +536,7 @@ def main():
            "workload_params": w["header"]["params"], "args": vars(args),
            "kv_bytes_per_token": {d: kv_bytes_per_token(cfg, d) for d in ("auto", "fp8",
                                                                           "nvfp4")},
-           "turn_fields": TURN_FIELDS, "servers": [], "rows": []}
+           "turn_fields": TURN_FIELDS, "run": assets.run_info(on_gpu), "servers": [], "rows": []}
     def save():
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=1))

@@ -99,7 +99,8 @@ def main():
            "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
            "args": vars(args), "rows": []}
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from assets import rows_per_dtype
+    from assets import rows_per_dtype, run_info
+    res["run"] = run_info(on_gpu=True)
     res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: profile(
         dt, args.batch, args.ctx, args.steps, args.top))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

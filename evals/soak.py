@@ -242,7 +242,7 @@ def main():
            "date": time.strftime("%Y-%m-%d"), "cmd": " ".join(cmd[2:]),
            "env": {k: env[k] for k in env if k.startswith("NVFP4KV_")},
            "args": {k: v for k, v in vars(args).items()},
-           "kv_bytes_per_token": per_token}
+           "kv_bytes_per_token": per_token, "run": __import__("assets").run_info(on_gpu)}
     t_start = time.time()
     with Server(cmd, log_path, env, args.deadline_s) as server:
         res["startup_s"] = server.startup_s
