@@ -281,12 +281,17 @@ def tune(args):
 def ab(args):
     """A/B of kernel variants at a few shapes in one process, FA3 FP8 as the yardstick:
     K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
-    tiles, 8 warps, twice the default split count (more CTAs per SM)."""
+    tiles, 8 warps, twice the default split count (more CTAs per SM), P.V in head-dim halves
+    (v_halves: less shared memory) alone and with registers capped at 128 and 96 (4 and 5
+    programs per SM instead of 3, some spilled)."""
     device = torch.device("cuda")
     res = header(args, device)
     for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
         for ns, err in check(args, device, mma_k=mma_k, num_warps=warps).items():
             res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}"] = err
+    for reg in (None, 128, 96):
+        for ns, err in check(args, device, v_halves=True, maxnreg=reg).items():
+            res[f"check_max_err_v_halves_r{reg}_s{ns}"] = err
     print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
     res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     shapes = [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072)]
@@ -298,7 +303,10 @@ def ab(args):
         variants = (("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
                     ("mma_k_bn64", dict(mma_k=True, block_n=64)),
                     ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
-                    ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))))
+                    ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
+                    ("v_halves", dict(mma_k=True, v_halves=True)),
+                    ("v_halves_r128", dict(mma_k=True, v_halves=True, maxnreg=128)),
+                    ("v_halves_r96", dict(mma_k=True, v_halves=True, maxnreg=96)))
         for name, kw in variants:
             row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
             row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])
@@ -314,6 +322,11 @@ def ab(args):
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
+    names = [n for n, _ in variants]
+    print("\nspeed vs FA3 FP8 (x; > 1 is faster)\n| batch | ctx | " + " | ".join(names) + " |")
+    for r in res["rows"]:
+        print(f"| {r['batch']} | {r['ctx'] // 1024}K | " + " | ".join(
+            f"{r.get(n + '_vs_fp8', float('nan')):.2f}" for n in names) + " |")
     return res
 
 

@@ -11,6 +11,7 @@ Without a GPU, `--sass-only` compiles the kernel for sm_90 with Triton's own ptx
 just that mix (the number the kernel's design is judged by before any GPU time):
 
     python evals/profile_decode.py --sass-only [--block-n 128 --warps 4 --stages 2]
+        [--v-halves] [--maxnreg 128]
 """
 from __future__ import annotations
 
@@ -55,13 +56,31 @@ def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -
 
 
 def compile_sm90(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 128,
-                 mma_k: bool = True):
+                 mma_k: bool = True, v_halves: bool = False, maxnreg: int | None = None):
     """The decode kernel as the launcher specialises it (Llama-3-8B heads, page 16), compiled
     ahead of time for sm_90: no GPU needed."""
     from vllm_nvfp4kv.kernels import aot
     fn, sig, _, _ = aot.specs()["decode"]
-    return aot.compile_kernel(fn, sig, aot.decode_constexprs(block_n, warps, qpk, d, mma_k), 90,
-                              warps, stages)
+    return aot.compile_kernel(fn, sig, aot.decode_constexprs(block_n, warps, qpk, d, mma_k,
+                                                             v_halves=v_halves),
+                              90, warps, stages, maxnreg)
+
+
+def resources(kernel) -> str:
+    """Registers per thread, spill stack and shared memory of a compiled kernel; with them
+    the programs that fit one H200 SM (65,536 registers, 227 KB of shared memory)."""
+    import triton
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    path = "/tmp/nvfp4kv_decode_res.cubin"
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    out = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
+    regs, stack = (int(re.search(rf"{k}:(\d+)", out).group(1)) for k in ("REG", "STACK"))
+    smem, threads = kernel.metadata.shared, 32 * kernel.metadata.num_warps
+    fit = min(65536 // (regs * threads), 227 * 1024 // max(1, smem))
+    return (f"registers/thread {regs}, spill stack {stack} B, shared {smem} B: "
+            f"{fit} programs per SM")
 
 
 def main():
@@ -76,10 +95,14 @@ def main():
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--no-mma-k", action="store_true", help="K through shared memory (the "
                     "layout before codec.load_tile_mma)")
+    ap.add_argument("--v-halves", action="store_true", help="P.V in head-dim halves")
+    ap.add_argument("--maxnreg", type=int, help="cap on registers per thread")
     args = ap.parse_args()
     if args.sass_only:
-        print(loop_mix(compile_sm90(args.block_n, args.warps, args.stages,
-                                    mma_k=not args.no_mma_k), args.block_n, args.warps))
+        kernel = compile_sm90(args.block_n, args.warps, args.stages, mma_k=not args.no_mma_k,
+                              v_halves=args.v_halves, maxnreg=args.maxnreg)
+        print(resources(kernel))
+        print(loop_mix(kernel, args.block_n, args.warps))
         return
     dev = torch.device("cuda")
     p = bd.Problem(args.batch, args.ctx, 32, 8, 128, 16, dev)

@@ -15,14 +15,15 @@ DIV16 = ("page_stride", "stride_qt", "stride_ot", "stride_bt", "stride_kt", "str
 
 
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
-                      mma_k: bool = True, features: bool = False) -> dict:
+                      mma_k: bool = True, features: bool = False,
+                      v_halves: bool = False) -> dict:
     """The decode kernel's constexprs as decode_attention sets them (Llama-3-8B heads, page
     16, several splits); features: softcap, sliding window and sinks on."""
     return dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
                 G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, SPLIT=True,
                 USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
                 MMA_K=mma_k and mma_k_applies(d, warps, block_n),
-                NW=warps)
+                NW=warps, V_HALVES=v_halves)
 
 
 def specs() -> dict:
@@ -52,6 +53,8 @@ def specs() -> dict:
         "decode-smem-k-d96": (decode._decode_kernel, decode_sig,
                               decode_constexprs(d=96, features=True), 4),
         "decode-8warps": (decode._decode_kernel, decode_sig, decode_constexprs(warps=8), 8),
+        "decode-v-halves": (decode._decode_kernel, decode_sig,
+                            decode_constexprs(features=True, v_halves=True), 4),
         "reduce": (decode._reduce_kernel,
                    dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32",
                         out_ptr="*bf16", stride_ot="i32", stride_oh="i32", num_splits="i32"),
@@ -66,11 +69,13 @@ def specs() -> dict:
 
 
 def compile_kernel(fn, signature: dict, constexprs: dict, arch: int, num_warps: int,
-                   num_stages: int = 2):
-    """triton.compile for cuda sm_<arch>, pointers and DIV16 arguments 16-byte aligned."""
+                   num_stages: int = 2, maxnreg: int | None = None):
+    """triton.compile for cuda sm_<arch>, pointers and DIV16 arguments 16-byte aligned;
+    maxnreg: cap on registers per thread (ptxas spills the rest)."""
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
              if v.startswith("*") or k in DIV16}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({} if maxnreg is None else {"maxnreg": maxnreg})))

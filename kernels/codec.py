@@ -107,27 +107,27 @@ def e2m1_word_fp16(word):
 @triton.jit
 def load_page_rows(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
                    N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-                   USE_ASM: tl.constexpr):
+                   USE_ASM: tl.constexpr, G_FIRST: tl.constexpr = 0):
     """Dequantize rows of one side of paged NVFP4 pages (format.py). page_off [R] int64 byte
     offset of each row's page, row [R] = head * N + token-in-page, tmask [R] valid rows.
     Returns fp16 [R, 16 * G_PAD] in natural element order = true values * 2**-7 (ROW_FACTOR),
-    zeros where masked or padded."""
+    zeros where masked or padded: the row's 16-value groups G_FIRST .. G_FIRST + G_PAD - 1."""
     G: tl.constexpr = D // 16
     R: tl.constexpr = row.shape[0]
     side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
-    gi = tl.arange(0, G_PAD)
+    gi = G_FIRST + tl.arange(0, G_PAD)
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, None] + gi[None, :],
                  mask=tmask[:, None] & (gi < G)[None, :], other=0)
     s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
     if USE_ASM:  # 32-bit words (rows are 4-byte aligned: D/2 and the page offsets are)
-        w = tl.arange(0, G_PAD * 2)
+        w = 2 * G_FIRST + tl.arange(0, G_PAD * 2)
         words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, None]
                         + w[None, :], mask=tmask[:, None] & (w < D // 8)[None, :], other=0)
         n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
         vals = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
                        tl.join(tl.join(n1, n5), tl.join(n3, n7)))  # [R, W, p, q, r]: 4p+2q+r
     else:
-        j = tl.arange(0, G_PAD * 8)
+        j = 8 * G_FIRST + tl.arange(0, G_PAD * 8)
         data = tl.load((side + row * (D // 2))[:, None] + j[None, :],
                        mask=tmask[:, None] & (j < D // 2)[None, :], other=0)
         lo, hi = e2m1_unpack_fp16(data)

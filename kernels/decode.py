@@ -41,7 +41,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
                    D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr,
-                   NW: tl.constexpr):
+                   NW: tl.constexpr, V_HALVES: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,6 +68,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QG_PAD], tl.float32)
     acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)  # transposed: [D, heads]
+    if V_HALVES:
+        acc_lo = tl.zeros([G_PAD * 8, QG_PAD], tl.float32)
+        acc_hi = tl.zeros([G_PAD * 8, QG_PAD], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
                                        n0 + tl.arange(0, BLOCK_N), hi, N)
@@ -86,10 +89,21 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD, USE_ASM)
-        acc = tl.dot(tl.trans(v), tl.trans(p.to(tl.float16)), acc * alpha[None, :])
+        if V_HALVES:  # half the head dim at a time: half the shared-memory staging of V^T
+            v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD // 2,
+                               USE_ASM, 0)
+            acc_lo = tl.dot(tl.trans(v), tl.trans(p.to(tl.float16)), acc_lo * alpha[None, :])
+            v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD // 2,
+                               USE_ASM, G_PAD // 2)
+            acc_hi = tl.dot(tl.trans(v), tl.trans(p.to(tl.float16)), acc_hi * alpha[None, :])
+        else:
+            v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD, USE_ASM)
+            acc = tl.dot(tl.trans(v), tl.trans(p.to(tl.float16)), acc * alpha[None, :])
         m_i = m_new
 
+    if V_HALVES:  # [D/2, heads] x 2 -> [D, heads]
+        acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (2, 0, 1)),
+                         (G_PAD * 16, QG_PAD))
     acc = tl.trans(acc)
     out_mult = tl.load(v_scale_ptr) * ROW_FACTOR
     if not SPLIT:
@@ -184,7 +198,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      sinks: torch.Tensor | None = None, num_splits: int | None = None,
                      max_seq_len: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int = 2,
-                     use_asm: bool | None = None, mma_k: bool | None = None) -> torch.Tensor:
+                     use_asm: bool | None = None, mma_k: bool | None = None,
+                     v_halves: bool = False, maxnreg: int | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -193,7 +208,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     num_splits: split-KV count (default from choose_num_splits with max_seq_len).
     use_asm: the inline-PTX nibble decoder (default on CUDA; False: the portable formula).
     mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default
-    where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens)."""
+    where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens).
+    v_halves: P.V in two halves of the head dim, so V^T's shared-memory staging is half as
+    large (sm_90 build, 128-token tiles: 43 KB per program instead of 59, 3.4% fewer loop
+    instructions); with maxnreg=128 (registers per thread, spilling the rest) 4 programs fit
+    an SM instead of 3. Both are A/B variants (evals/bench_decode.py --ab), not defaults: not
+    yet timed on a GPU."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -234,7 +254,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
         MMA_K=mma_ok if mma_k is None else mma_k and mma_ok, NW=num_warps,
-        num_warps=num_warps, num_stages=num_stages)
+        V_HALVES=v_halves and d >= 32, num_warps=num_warps, num_stages=num_stages,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](
             part_out, part_lse, sinks_arg, out, out.stride(0), out.stride(1), num_splits,
