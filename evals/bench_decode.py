@@ -282,16 +282,17 @@ def ab(args):
     """A/B of kernel variants at a few shapes in one process, FA3 FP8 as the yardstick:
     K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
     tiles, 8 warps, twice the default split count (more CTAs per SM), P.V in head-dim halves
-    (v_halves: less shared memory) alone and with registers capped at 128 and 96 (4 and 5
-    programs per SM instead of 3, some spilled)."""
+    (v_halves: less shared memory) alone and with registers capped at 128 (4 programs per SM
+    instead of 3, some spilled), and with Q.K^T in halves too (k_halves: 141 registers
+    uncapped) capped at 128 (4 per SM, no spills) and 96 (5 per SM, spilled)."""
     device = torch.device("cuda")
     res = header(args, device)
     for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
         for ns, err in check(args, device, mma_k=mma_k, num_warps=warps).items():
             res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}"] = err
-    for reg in (None, 128, 96):
-        for ns, err in check(args, device, v_halves=True, maxnreg=reg).items():
-            res[f"check_max_err_v_halves_r{reg}_s{ns}"] = err
+    for kh, reg in ((False, None), (False, 128), (True, 128), (True, 96)):
+        for ns, err in check(args, device, v_halves=True, k_halves=kh, maxnreg=reg).items():
+            res[f"check_max_err_v_halves_k{int(kh)}_r{reg}_s{ns}"] = err
     print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
     res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     shapes = [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072)]
@@ -306,7 +307,10 @@ def ab(args):
                     ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
                     ("v_halves", dict(mma_k=True, v_halves=True)),
                     ("v_halves_r128", dict(mma_k=True, v_halves=True, maxnreg=128)),
-                    ("v_halves_r96", dict(mma_k=True, v_halves=True, maxnreg=96)))
+                    ("kv_halves_r128", dict(mma_k=True, v_halves=True, k_halves=True,
+                                            maxnreg=128)),
+                    ("kv_halves_r96", dict(mma_k=True, v_halves=True, k_halves=True,
+                                           maxnreg=96)))
         for name, kw in variants:
             row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
             row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])

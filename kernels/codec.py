@@ -156,6 +156,38 @@ def mma_col_to_d(k):
 
 
 @triton.jit
+def load_half_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
+                  N: tl.constexpr, USE_ASM: tl.constexpr, HALF: tl.constexpr):
+    """load_tile_mma's columns 64 HALF .. 64 HALF + 63 (words j = 2 HALF, 2 HALF + 1 of each
+    lane quarter c): [16 W REP, 64], column k = 32 j0 + 16 e2 + 8 e1 + 4 c1 + 2 c0 + e0."""
+    D: tl.constexpr = 128
+    G: tl.constexpr = 8
+    REP: tl.constexpr = row.shape[0]
+    W: tl.constexpr = row.shape[2]
+    side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
+    c = tl.arange(0, 4)
+    m5 = tmask[:, :, :, :, None, None]
+    word = (c[:, None] * 4 + 2 * HALF + tl.arange(0, 2)[None, :])[None, None, None, None, :, :]
+    words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, :, :, :, None, None]
+                    + word, mask=m5, other=0)                       # [REP, 2, W, 8, c, j0]
+    g = (2 * tl.arange(0, 4) + HALF)[None, None, None, None, :]    # group 2 c + j1
+    sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
+                 mask=tmask[:, :, :, :, None], other=0)             # [REP, 2, W, 8, c]
+    s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
+    if USE_ASM:
+        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
+    else:
+        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16_portable(words)
+    vals = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                   tl.join(tl.join(n1, n5), tl.join(n3, n7)))      # [.., c, j0, e2, e1, e0]
+    vals = vals * s16[:, :, :, :, :, None, None, None, None]
+    vals = tl.reshape(vals, (REP, 2, W, 8, 2, 2, 2, 2, 2, 2))        # c -> c1, c0
+    # dims: rep h w r c1 c0 j0 e2 e1 e0 -> rows (rep w h r), columns (j0 e2 e1 c1 c0 e0)
+    vals = tl.permute(vals, (0, 2, 1, 3, 6, 7, 8, 4, 5, 9))
+    return tl.reshape(vals, (REP * W * 16, D // 2))
+
+
+@triton.jit
 def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
                   N: tl.constexpr, USE_ASM: tl.constexpr):
     """Dequantize a tile of D = 128 rows of one side of paged NVFP4 pages, already in the

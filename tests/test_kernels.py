@@ -676,11 +676,13 @@ def test_decode_block_n(device, d, block_n, mma_k, warps):
         _check_decode(out, ref, seq_lens)
 
 
-@pytest.mark.parametrize("d,block_n", [(128, 128), (128, 64), (96, 64), (64, 32)])
-def test_decode_v_halves(device, d, block_n):
+@pytest.mark.parametrize("d,block_n,k_halves", [(128, 128, True), (128, 64, True),
+                                               (128, 128, False), (96, 64, True), (64, 32, False)])
+def test_decode_v_halves(device, d, block_n, k_halves):
     """P.V in two halves of the head dim (v_halves; D = 96: the second half is part padding),
-    one and several splits, GQA, and a register cap (maxnreg: a compile option, no effect in
-    the interpreter)."""
+    Q.K^T too (k_halves: at D = 128 with K in the MMA layout; ignored elsewhere), one and
+    several splits, GQA, and a register cap (maxnreg: a compile option, no effect in the
+    interpreter)."""
     n, hkv, qpk = 16, 2, 4
     seq_lens = [1, 40, 0, 300]
     cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, seed=11)
@@ -688,7 +690,7 @@ def test_decode_v_halves(device, d, block_n):
     for splits in (1, 3):
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
         K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, num_splits=splits,
-                           block_n=block_n, v_halves=True, maxnreg=128)
+                           block_n=block_n, v_halves=True, k_halves=k_halves, maxnreg=128)
         _check_decode(out, ref, seq_lens)
 
 
