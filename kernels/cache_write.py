@@ -9,6 +9,7 @@ import triton.language as tl
 from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e4m3_decode,
                     e4m3_encode)
 from .format import GROUP_SIZE, PageLayout
+from .rotation import hadamard
 
 
 @triton.jit
@@ -32,10 +33,56 @@ def _finite(x):
 
 
 @triton.jit
+def _fwht(x, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """[D] -> its Walsh-Hadamard transform (Sylvester order, unnormalised: y_k = sum_j x_j
+    (-1)^popcount(j & k)), one butterfly stage per bit of the index."""
+    for i in tl.static_range(LOG2_D):
+        y = tl.permute(tl.reshape(x, (D // (2 << i), 2, 1 << i)), (0, 2, 1))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (D,))
+    return x
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """fp32 -> dtype, round to nearest even as torch rounds (bf16 by integer ops: Triton's
+    interpreter truncates a bf16 cast; on a GPU both are the same cvt.rn), NaN kept."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x == x, r, x.to(tl.bfloat16))
+    return x.to(dtype)
+
+
+@triton.jit
+def _key_as_cached(k_ptr, k_sub_ptr, h, rot_c, D: tl.constexpr, G_PAD: tl.constexpr,
+                   HAS_K_SUB: tl.constexpr, ROTATE_K: tl.constexpr, LOG2_D: tl.constexpr):
+    """A K row transformed as cache_space.CacheSpace.key does it in torch (K - mu, then
+    x @ H with H's entries +-rot_c), each step rounded to K's dtype as torch rounds it ->
+    (even, odd) elements [G_PAD, 8] in fp32. D is a power of two (G_PAD = D / 16)."""
+    d = tl.arange(0, D)
+    x = tl.load(k_ptr + d)
+    if HAS_K_SUB:
+        x = _round_to(x.to(tl.float32) - tl.load(k_sub_ptr + h * D + d).to(tl.float32),
+                      x.dtype)
+    if ROTATE_K:
+        x = _round_to(_fwht(x.to(tl.float32), D, LOG2_D) * rot_c, x.dtype)
+    xe, xo = tl.split(tl.reshape(x.to(tl.float32), (G_PAD, 8, 2)))
+    return xe, xo
+
+
+@triton.jit
 def _quantize_row(x_ptr, g, col, cmask, FOUR_OVER_SIX: tl.constexpr):
     """One (side, head, token) row. col [G, 8]: offsets of the even elements of each group."""
     xe = tl.load(x_ptr + col, mask=cmask, other=0.0).to(tl.float32)
     xo = tl.load(x_ptr + col + 1, mask=cmask, other=0.0).to(tl.float32)
+    return _quantize_vals(xe, xo, g, FOUR_OVER_SIX)
+
+
+@triton.jit
+def _quantize_vals(xe, xo, g, FOUR_OVER_SIX: tl.constexpr):
+    """Even and odd elements [G, 8] of one row -> (bytes [G, 8], scale codes [G])."""
     amax = tl.maximum(tl.max(tl.where(xe == xe, tl.abs(xe), 0.0), axis=1),
                       tl.max(tl.where(xo == xo, tl.abs(xo), 0.0), axis=1))
     byte, s, err = _encode_blocks(xe, xo, amax, g, 6.0)
@@ -49,9 +96,10 @@ def _quantize_row(x_ptr, g, col, cmask, FOUR_OVER_SIX: tl.constexpr):
 
 @triton.jit
 def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-                  stride_kt, stride_kh, stride_vt, stride_vh, page_stride,
+                  k_sub_ptr, stride_kt, stride_kh, stride_vt, stride_vh, page_stride, rot_c,
                   H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-                  FOUR_OVER_SIX: tl.constexpr):
+                  FOUR_OVER_SIX: tl.constexpr, HAS_K_SUB: tl.constexpr,
+                  ROTATE_K: tl.constexpr, LOG2_D: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -66,7 +114,11 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     row = h * N + slot % N
     page = cache_ptr + (slot // N) * page_stride
     for side in tl.static_range(2):
-        if side == 0:
+        if side == 0 and (HAS_K_SUB or ROTATE_K):
+            xe, xo = _key_as_cached(key_ptr + t * stride_kt + h * stride_kh, k_sub_ptr, h,
+                                    rot_c, D, G_PAD, HAS_K_SUB, ROTATE_K, LOG2_D)
+            byte, s = _quantize_vals(xe, xo, tl.load(k_scale_ptr), FOUR_OVER_SIX)
+        elif side == 0:
             byte, s = _quantize_row(key_ptr + t * stride_kt + h * stride_kh,
                                     tl.load(k_scale_ptr), col, cmask, FOUR_OVER_SIX)
         else:
@@ -82,13 +134,16 @@ def _as_scale(x, device) -> torch.Tensor:
 
 
 def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor, k_scale, v_scale, four_over_six: bool = False) -> None:
+                slot_mapping: torch.Tensor, k_scale, v_scale, four_over_six: bool = False,
+                k_sub: torch.Tensor | None = None, rotate_k: bool = False) -> None:
     """Quantize the first T rows of key/value [>=T, H, D] (bf16/fp16/fp32) into kv_cache
     [num_blocks, 2H, N, D/2 + D/16] uint8 at slot_mapping [T] (int; slots < 0 skipped).
     k_scale / v_scale: the layer's FP32 global scales (floats or 1-element tensors).
     four_over_six: per block, the scale mapping amax to 4 or to 6, whichever has the smaller
     squared error (reference.quantize; a near-tie may resolve differently, the sums' order
-    differs)."""
+    differs). k_sub [H, D] (key's dtype) and rotate_k (power-of-two D): K is cached as
+    rotation.rotate(key - k_sub) (vllm_nvfp4kv.cache_space), computed here instead of by two
+    torch ops, with the same roundings (up to fp32 summation order)."""
     t, (h, d) = slot_mapping.shape[0], key.shape[1:]
     n = kv_cache.shape[2]
     PageLayout(n, h, d)  # validates head_dim
@@ -97,9 +152,16 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     assert kv_cache.dtype == torch.uint8 and kv_cache.shape[1] == 2 * h
     assert key.stride(-1) == 1 and value.stride(-1) == 1
     assert kv_cache[0].is_contiguous(), "each page must be contiguous"
+    if rotate_k or k_sub is not None:  # the transform reads whole rows
+        assert d & (d - 1) == 0 and key.stride(2) == 1
+        assert k_sub is None or (k_sub.shape == (h, d) and k_sub.is_contiguous()
+                                 and k_sub.dtype == key.dtype)
+    rot_c = float(hadamard(d, str(key.device), key.dtype)[0, 0]) if rotate_k else 1.0
     _write_kernel[(t, h)](
         key, value, kv_cache, slot_mapping,
         _as_scale(k_scale, key.device), _as_scale(v_scale, key.device),
+        key if k_sub is None else k_sub,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
-        H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // GROUP_SIZE),
-        FOUR_OVER_SIX=four_over_six, num_warps=1)
+        rot_c, H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // GROUP_SIZE),
+        FOUR_OVER_SIX=four_over_six, HAS_K_SUB=k_sub is not None, ROTATE_K=rotate_k,
+        LOG2_D=d.bit_length() - 1, num_warps=1)

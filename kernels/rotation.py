@@ -10,7 +10,7 @@ import torch
 
 
 @functools.lru_cache(maxsize=8)
-def _hadamard(d: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+def hadamard(d: int, device: str, dtype: torch.dtype) -> torch.Tensor:
     """Sylvester Hadamard matrix of order d, normalised."""
     if d & (d - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two head_dim, got {d}")
@@ -24,4 +24,4 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> x @ H / sqrt(D) (orthonormal, symmetric: its own inverse): one matmul in
     x's dtype (fp32 accumulation, one rounding). In BF16 the entries +-2^-3.5 (D = 128) round
     by 1e-4, all alike: q.k scales by (1 - 1e-4)^2, far below BF16's own resolution."""
-    return x @ _hadamard(x.shape[-1], str(x.device), x.dtype)
+    return x @ hadamard(x.shape[-1], str(x.device), x.dtype)

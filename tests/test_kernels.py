@@ -780,6 +780,44 @@ def test_choose_num_splits():
     assert K.choose_num_splits(1, 1, 10 ** 6, dev) == K.choose_num_splits(1, 1, 10 ** 7, dev)
 
 
+@pytest.mark.parametrize("d,dtype,sub,rot", [
+    (128, torch.bfloat16, True, True), (128, torch.bfloat16, False, True),
+    (128, torch.float16, True, False), (64, torch.float32, True, True),
+    (256, torch.bfloat16, True, True)])
+def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot):
+    """k_sub / rotate_k in the writer: the same cache as the torch path it replaces
+    (cache_space.CacheSpace.key: rotate(key - k_sub), each rounded to key's dtype, then
+    reference.write_cache), up to a rare last-bit difference from the order of fp32 sums that
+    can move a value across an E2M1 rounding threshold. K carries Qwen-like offset channels
+    (~350) that the subtraction removes; V is written as usual."""
+    from vllm_nvfp4kv.kernels.rotation import rotate
+    n, h, nb = 16, 2, 3
+    gen = _gen(d + 5)
+    t = nb * n - 3
+    mu = torch.randn(h, d, generator=gen) * 2
+    mu[:, 3], mu[:, 70 % d] = 350.0, -200.0
+    key = (torch.randn(t + 2, h, d, generator=gen) + mu).to(dtype)
+    value = torch.randn(t + 2, h, d, generator=gen).to(dtype)
+    k_sub = mu.to(dtype) if sub else None
+    slots = torch.randperm(nb * n, generator=gen)[:t]
+    slots[4] = -1
+    cache = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8, device=device)
+    K.write_cache(cache, key.to(device), value.to(device), slots.to(device), 1.5, 0.5,
+                  four_over_six=True, k_sub=None if k_sub is None else k_sub.to(device),
+                  rotate_k=rot)
+    k_cached = key[:t] - k_sub if sub else key[:t]
+    k_cached = rotate(k_cached) if rot else k_cached
+    ref = torch.zeros_like(cache, device="cpu")
+    R.write_cache(ref, k_cached, value[:t], slots, 1.5, 0.5, four_over_six=True)
+    got = cache.cpu()
+    assert (got == ref).float().mean() > 0.998
+    views_got, views_ref = R.page_views(got, d), R.page_views(ref, d)
+    for side, g in ((0, 1.5), (1, 0.5)):
+        a = R.dequantize(views_got[2 * side], views_got[2 * side + 1], g)
+        b = R.dequantize(views_ref[2 * side], views_ref[2 * side + 1], g)
+        assert (a - b).abs().max() <= 0.5 * b.abs().max() / 6  # at most one E2M1 step
+
+
 def test_write_cache_four_over_six(device):
     """4-over-6 block scales: the writer matches reference.quantize(four_over_six=True) except
     at near-ties (the two squared-error sums are accumulated in different orders), never picks

@@ -25,11 +25,14 @@ from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, wri
 from vllm_nvfp4kv.kernels.decode import choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.cache_space import CacheSpace
-from vllm_nvfp4kv.calibration import k_mid_range, k_transform, log_once, prepare_write
+from vllm_nvfp4kv.calibration import (k_mid_range, k_transform, log_once, prepare_write,
+                                      settings as calibration_settings)
 from vllm_nvfp4kv.scales import K_OUTLIER_RATIO, check_scales, global_scales, k_outlier_ratio
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_dtype, workspace_views
 
 logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applies
+
+
 def options() -> dict:
     """The backend's options, read from the environment when an engine builds its layers.
     Accuracy (README "Accuracy options"; defaults chosen by evals/fidelity.py --variants):
@@ -46,13 +49,20 @@ def options() -> dict:
     NVFP4KV_PREFILL_FROM_CACHE (default 0): prefill attends over the chunk's own K/V as read
       back from the cache instead of the exact values (the seed design), so that a prefix-cache
       hit on the same tokens later computes exactly the same thing (identical requests give
-      identical greedy outputs with prefix caching on), at some accuracy cost."""
+      identical greedy outputs with prefix caching on), at some accuracy cost.
+    Speed:
+    NVFP4KV_FUSE_K_WRITE (default 0, experimental): on a GPU, K centering and rotation inside
+      the cache writer (kernels.write_cache k_sub / rotate_k) instead of two torch ops per
+      layer and step; the same cache bytes (tests/test_kernels.py). Off until timed and tested
+      on a GPU. Not with K smoothing or NVFP4KV_CALIBRATE=online/collect (they read the
+      transformed K)."""
     env = os.environ.get
     return {"four_over_six": env("NVFP4KV_FOUR_OVER_SIX", "1") == "1",
             "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
             "rotate_v": env("NVFP4KV_ROTATE_V", "0") == "1",
             "center_k": _choice("NVFP4KV_CENTER_K", "auto", ("auto", "0", "1")),
-            "prefill_from_cache": env("NVFP4KV_PREFILL_FROM_CACHE", "0") == "1"}
+            "prefill_from_cache": env("NVFP4KV_PREFILL_FROM_CACHE", "0") == "1",
+            "fuse_k_write": env("NVFP4KV_FUSE_K_WRITE", "0") == "1"}
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -284,6 +294,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         self.space = CacheSpace(rotate_k=opts["rotate_k"] == "1" or (
             opts["rotate_k"] == "auto" and pow2), rotate_v=opts["rotate_v"])
         self._space_ready = False
+        self.fuse_k_write_option = opts["fuse_k_write"]
+        self._fused_k = False  # K's transform in the writer (decided at the first eager write)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.window = sliding_window
@@ -316,12 +328,20 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                 self._space_ready = True
         if eager and not self._outliers_checked:
             self._first_real_batch(layer, key, slot_mapping)
-        key, value = self.space.key(key), self.space.value(value)
-        prepare_write(layer, key, value, slot_mapping)  # calibration: may fix k/v_scale first
+        value = self.space.value(value)
+        if not self._fused_k:  # else K - mu and its rotation happen in the writer
+            key = self.space.key(key)
+        # calibration may fix k/v_scale first (with _fused_k it is off and reads no K)
+        prepare_write(layer, key, value, slot_mapping)
         # once, at the first write outside graph capture (a host read of the two scalars)
         if eager and not self._checked:
             check_scales(getattr(layer, "layer_name", "?"), float(k_scale), float(v_scale))
             self._checked = True
+        if self._fused_k:
+            write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale,
+                        self.four_over_six, k_sub=self.space.k_sub,
+                        rotate_k=self.space.rotate_k)
+            return
         write = write_cache if kv_cache.is_cuda else reference.write_cache
         write(kv_cache, key, value, slot_mapping, k_scale, v_scale, self.four_over_six)
 
@@ -357,6 +377,10 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             self.space.set_center(mu, key.dtype)
         if s is not None:
             self.space.set_smoothing(s, self.num_heads, key.dtype)
+        cal = calibration_settings()
+        self._fused_k = (self.fuse_k_write_option and key.is_cuda and self.space.k_mul is None
+                         and (self.space.k_sub is not None or self.space.rotate_k)
+                         and not (cal["online"] or cal["collect"]))
 
     def _first_real_batch(self, layer, key, slot_mapping) -> None:
         """Once per layer, at its first batch of real tokens (eager: warm-up and capture
