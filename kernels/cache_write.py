@@ -7,9 +7,9 @@ import triton
 import triton.language as tl
 
 from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e4m3_decode,
-                    e4m3_encode)
+                    e4m3_encode, round_to)
 from .format import GROUP_SIZE, PageLayout
-from .rotation import hadamard
+from .rotation import fwht, hadamard
 
 
 @triton.jit
@@ -33,29 +33,6 @@ def _finite(x):
 
 
 @triton.jit
-def _fwht(x, D: tl.constexpr, LOG2_D: tl.constexpr):
-    """[D] -> its Walsh-Hadamard transform (Sylvester order, unnormalised: y_k = sum_j x_j
-    (-1)^popcount(j & k)), one butterfly stage per bit of the index."""
-    for i in tl.static_range(LOG2_D):
-        y = tl.permute(tl.reshape(x, (D // (2 << i), 2, 1 << i)), (0, 2, 1))
-        a, b = tl.split(y)
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (D,))
-    return x
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr):
-    """fp32 -> dtype, round to nearest even as torch rounds (bf16 by integer ops: Triton's
-    interpreter truncates a bf16 cast; on a GPU both are the same cvt.rn), NaN kept."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        r = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(x == x, r, x.to(tl.bfloat16))
-    return x.to(dtype)
-
-
-@triton.jit
 def _key_as_cached(k_ptr, k_sub_ptr, h, rot_c, D: tl.constexpr, G_PAD: tl.constexpr,
                    HAS_K_SUB: tl.constexpr, ROTATE_K: tl.constexpr, LOG2_D: tl.constexpr):
     """A K row transformed as cache_space.CacheSpace.key does it in torch (K - mu, then
@@ -64,10 +41,11 @@ def _key_as_cached(k_ptr, k_sub_ptr, h, rot_c, D: tl.constexpr, G_PAD: tl.conste
     d = tl.arange(0, D)
     x = tl.load(k_ptr + d)
     if HAS_K_SUB:
-        x = _round_to(x.to(tl.float32) - tl.load(k_sub_ptr + h * D + d).to(tl.float32),
+        x = round_to(x.to(tl.float32) - tl.load(k_sub_ptr + h * D + d).to(tl.float32),
                       x.dtype)
     if ROTATE_K:
-        x = _round_to(_fwht(x.to(tl.float32), D, LOG2_D) * rot_c, x.dtype)
+        x = round_to(tl.reshape(fwht(tl.reshape(x.to(tl.float32), (1, D)), D, LOG2_D), (D,))
+                     * rot_c, x.dtype)
     xe, xo = tl.split(tl.reshape(x.to(tl.float32), (G_PAD, 8, 2)))
     return xe, xo
 

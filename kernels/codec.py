@@ -224,3 +224,15 @@ def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
     # dims: rep h w r c1 c0 j1 j0 e2 e1 e0 -> rows (rep w h r), columns (j1 j0 e2 e1 c1 c0 e0)
     vals = tl.permute(vals, (0, 2, 1, 3, 6, 7, 8, 9, 4, 5, 10))
     return tl.reshape(vals, (REP * W * 16, D))
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 -> dtype, round to nearest even as torch rounds (bf16 by integer ops: Triton's
+    interpreter truncates a bf16 cast; on a GPU both are the same cvt.rn), NaN kept."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        r = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x == x, r, x.to(tl.bfloat16))
+    return x.to(dtype)

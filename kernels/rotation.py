@@ -1,12 +1,15 @@
 """Optional Hadamard rotation of K and Q per head (power-of-two head_dim): q.k is unchanged,
 while the rotation spreads a key's outlier channels over all of its 16-value blocks, which
-4-bit blocks quantize better. Plain torch; applied by the backend before the writer and to
-the queries before attention."""
+4-bit blocks quantize better. `rotate` (torch, the reference) is applied by the backend
+before the writer and to the queries before attention; `fwht` is the same transform inside
+Triton kernels (the writer's k_sub/rotate_k, the decode kernel's rotate_q)."""
 from __future__ import annotations
 
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 
 @functools.lru_cache(maxsize=8)
@@ -25,3 +28,17 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     x's dtype (fp32 accumulation, one rounding). In BF16 the entries +-2^-3.5 (D = 128) round
     by 1e-4, all alike: q.k scales by (1 - 1e-4)^2, far below BF16's own resolution."""
     return x @ hadamard(x.shape[-1], str(x.device), x.dtype)
+
+
+@triton.jit
+def fwht(x, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """Triton: [R, D] fp32 -> the Walsh-Hadamard transform of each row (Sylvester order,
+    unnormalised: y_k = sum_j x_j (-1)^popcount(j & k), so rotate(x) = fwht(x) * H[0, 0]), one
+    butterfly stage per index bit. It commutes with any permutation of the index bits applied
+    to x and y alike (a row may be held in a bit-permuted order)."""
+    R: tl.constexpr = x.shape[0]
+    for i in tl.static_range(LOG2_D):
+        y = tl.permute(tl.reshape(x, (R, D // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (R, D))
+    return x

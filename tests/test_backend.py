@@ -423,7 +423,7 @@ def test_k_outlier_channels_warn_once_per_layer():
 
 @pytest.mark.parametrize("rotate_k", ["0", "1"])
 def test_fused_k_write_gives_the_same_cache(rotate_k):
-    """NVFP4KV_FUSE_K_WRITE: K centering (here online, set in place after a warm-up batch)
+    """NVFP4KV_FUSE_TRANSFORMS: K centering (here online, set in place after a warm-up batch)
     and rotation done by the Triton writer give the bytes the torch transforms + reference
     writer give. The option applies on a GPU only; here it is forced on after the first
     (warm-up) write, and the Triton writer runs in the interpreter."""
@@ -434,13 +434,13 @@ def test_fused_k_write_gives_the_same_cache(rotate_k):
         layer = SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0),
                                 layer_name="l0")
         with mock.patch.dict("os.environ", {"NVFP4KV_ROTATE_K": rotate_k,
-                                            "NVFP4KV_FUSE_K_WRITE": str(int(fused))}):
+                                            "NVFP4KV_FUSE_TRANSFORMS": str(int(fused))}):
             impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
             cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8)
             impl.do_kv_cache_update(layer, torch.zeros_like(k[:4]).bfloat16(),
                                     torch.zeros_like(v[:4]).bfloat16(), cache,
                                     torch.full((4,), -1))
-            assert impl.fuse_k_write_option == fused and not impl._fused_k  # not on a CPU
+            assert impl.fuse_transforms_option == fused and not impl._fused_k  # not on a CPU
             impl._fused_k = fused
             impl.do_kv_cache_update(layer, k.bfloat16(), v.bfloat16(), cache, torch.arange(t))
             assert impl._online_center and impl.space.k_sub.abs().max() > 100
