@@ -31,6 +31,7 @@ import triton  # noqa: E402
 
 from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
 from vllm_nvfp4kv.kernels.decode import choose_num_splits  # noqa: E402
+from vllm_nvfp4kv.kernels.rotation import rotate  # noqa: E402
 
 # K+V, D=128; int4: [K(64) | K scale+zero-point(4) | V(64) | V scale+zero-point(4)]
 BYTES_PER_TOKEN_HEAD = {"bf16": 512, "fp8": 256, "nvfp4": 144, "int4": 136}
@@ -310,10 +311,15 @@ def ab(args):
                     ("kv_halves_r128", dict(mma_k=True, v_halves=True, k_halves=True,
                                             maxnreg=128)),
                     ("kv_halves_r96", dict(mma_k=True, v_halves=True, k_halves=True,
-                                           maxnreg=96)))
+                                           maxnreg=96)),
+                    # the query's rotation in the kernel (compare with kv_halves_r128 plus
+                    # rotate_q_torch_ms, the GEMM it replaces)
+                    ("kv_halves_r128_rotq", dict(mma_k=True, v_halves=True, k_halves=True,
+                                                 maxnreg=128, rotate_q=True)))
         for name, kw in variants:
             row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
             row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])
+        row["rotate_q_torch_ms"] = time_fn(lambda: rotate(p.q), device)
         del cache
         try:
             k, v = p.dense_cache(torch.float8_e4m3fn)

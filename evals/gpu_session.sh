@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k|step|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|decode-check|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|decode-check|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -93,6 +93,10 @@ case "${1:?stage}" in
                 --out "$OUT/serve_sweep_h200_128k.json" 2>&1 | tail -12 ;;
   step)     timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \
                 --out "$OUT/profile_step_h200.json" 2>&1 | grep -E "^  |us of GPU" ;;
+  # K centering + rotation inside the writer (NVFP4KV_FUSE_TRANSFORMS=1) against stage step
+  step-fused) NVFP4KV_FUSE_TRANSFORMS=1 timeout 560 python3 evals/profile_step.py --dtypes nvfp4 \
+                --batch 16 --ctx 8192 --out "$OUT/profile_step_h200_fused.json" 2>&1 \
+                | grep -E "^  |us of GPU" ;;
   capacity) timeout 560 python3 evals/bench_e2e.py --dtypes auto fp8 nvfp4 --inputs 1024 \
                 --requests 1 --output-tokens 2 --gpu-memory-utilization 0.9 \
                 --out "$OUT/capacity_h200.json" 2>&1 | grep -E "^ +(auto|fp8|nvfp4) " ;;

@@ -242,7 +242,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     dim, so half the decoded tile is live; maxnreg: a cap on registers per thread (ptxas
     spills the rest). Together they fit 4-5 programs per SM instead of 3 (README, "What bounds
     it"). A/B variants (evals/bench_decode.py --ab), not defaults: not yet timed on a GPU.
-    rotate_q: attend with rotation.rotate(q) (power-of-two D), computed in the kernel."""
+    rotate_q: attend with rotation.rotate(q) (power-of-two D), computed in the kernel instead
+    of by a GEMM before it; an A/B variant: with the default variant it raises the registers
+    from 168 to 179 (2 programs per SM; capped at 168, the loop grows 4%), with k_halves at
+    maxnreg=128 it costs 2 loop instructions (sm_90 build)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2

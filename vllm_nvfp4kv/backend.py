@@ -52,11 +52,10 @@ def options() -> dict:
       identical greedy outputs with prefix caching on), at some accuracy cost.
     Speed:
     NVFP4KV_FUSE_TRANSFORMS (default 0, experimental): on a GPU, K centering and rotation
-      inside the cache writer (kernels.write_cache k_sub / rotate_k) and the decode queries'
-      rotation inside the decode kernel (rotate_q), instead of three torch ops per layer and
-      step; the same results (tests/test_kernels.py). Off until timed and tested on a GPU. K's
-      part not with K smoothing or NVFP4KV_CALIBRATE=online/collect (they read the transformed
-      K); Q's part not with K smoothing."""
+      inside the cache writer (kernels.write_cache k_sub / rotate_k) instead of two torch ops
+      per layer and step; the same cache bytes (tests/test_kernels.py). Off until timed and
+      tested on a GPU. Not with K smoothing or NVFP4KV_CALIBRATE=online/collect (they read
+      the transformed K). (The decode kernel's rotate_q is not used: it costs registers.)"""
     env = os.environ.get
     return {"four_over_six": env("NVFP4KV_FOUR_OVER_SIX", "1") == "1",
             "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
@@ -296,8 +295,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             opts["rotate_k"] == "auto" and pow2), rotate_v=opts["rotate_v"])
         self._space_ready = False
         self.fuse_transforms_option = opts["fuse_transforms"]
-        # K's transform in the writer, Q's rotation in decode (at the first eager write)
-        self._fused_k = self._fused_q = False
+        self._fused_k = False  # K's transform in the writer (decided at the first eager write)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.window = sliding_window
@@ -380,10 +378,9 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if s is not None:
             self.space.set_smoothing(s, self.num_heads, key.dtype)
         cal = calibration_settings()
-        fuse = self.fuse_transforms_option and key.is_cuda and self.space.k_mul is None
-        self._fused_k = fuse and (self.space.k_sub is not None or self.space.rotate_k) \
-            and not (cal["online"] or cal["collect"])
-        self._fused_q = fuse and self.space.rotate_k
+        self._fused_k = (self.fuse_transforms_option and key.is_cuda and self.space.k_mul is None
+                         and (self.space.k_sub is not None or self.space.rotate_k)
+                         and not (cal["online"] or cal["collect"]))
 
     def _first_real_batch(self, layer, key, slot_mapping) -> None:
         """Once per layer, at its first batch of real tokens (eager: warm-up and capture
@@ -434,8 +431,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         k_scale, v_scale = global_scales(layer)
         nd = md.num_decode_tokens
         if md.num_decodes:  # q in the cache's space: q.k as the model's
-            qd = q[:nd] if self._fused_q else self.space.query(q[:nd])
-            self._decode(qd, kv_cache, md, out[:nd], k_scale, v_scale)
+            self._decode(self.space.query(q[:nd]), kv_cache, md, out[:nd], k_scale, v_scale)
             if self.space.rotate_v:
                 out[:nd] = self.space.output(out[:nd])
         if md.num_prefills:
@@ -463,7 +459,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             decode_attention(q, kv_cache, md.block_table[:b], md.seq_lens[:b], out, self.scale,
                              k_scale, v_scale, sliding_window=self.window,
                              softcap=self.softcap, sinks=self.sinks,
-                             num_splits=md.decode_num_splits, rotate_q=self._fused_q)
+                             num_splits=md.decode_num_splits)
         else:
             res = reference.paged_attention(q, kv_cache, md.block_table[:b],
                                             torch.arange(b + 1), md.seq_lens[:b], self.scale,
