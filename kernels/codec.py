@@ -146,6 +146,18 @@ def e2m1_word_fp16_portable(word):
 
 
 @triton.jit
+def word_values(words, USE_ASM: tl.constexpr):
+    """int32 words [...] -> their 8 elements as fp16 [..., 2, 2, 2] (element 4 e2 + 2 e1 + e0),
+    value * 2**-14 (e2m1_word_fp16, or its portable formula)."""
+    if USE_ASM:
+        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
+    else:
+        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16_portable(words)
+    return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
+                   tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+
+
+@triton.jit
 def mma_col_to_d(k):
     """Head-dim element held by column k of load_tile_mma's output (D = 128): with a row's 16
     words split as word = 4c + j (c: the lane quarter that loads it, j: its register) and element
@@ -174,12 +186,7 @@ def load_half_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
                  mask=tmask[:, :, :, :, None], other=0)             # [REP, 2, W, 8, c]
     s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
-    if USE_ASM:
-        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
-    else:
-        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16_portable(words)
-    vals = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
-                   tl.join(tl.join(n1, n5), tl.join(n3, n7)))      # [.., c, j0, e2, e1, e0]
+    vals = word_values(words, USE_ASM)                             # [.., c, j0, e2, e1, e0]
     vals = vals * s16[:, :, :, :, :, None, None, None, None]
     vals = tl.reshape(vals, (REP, 2, W, 8, 2, 2, 2, 2, 2, 2))        # c -> c1, c0
     # dims: rep h w r c1 c0 j0 e2 e1 e0 -> rows (rep w h r), columns (j0 e2 e1 c1 c0 e0)
@@ -212,12 +219,7 @@ def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
                  mask=tmask[:, :, :, :, None], other=0)
     sc = tl.reshape(sc, (REP, 2, W, 8, 4, 2))                       # group 2 c + j1
     s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
-    if USE_ASM:
-        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
-    else:
-        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16_portable(words)
-    vals = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
-                   tl.join(tl.join(n1, n5), tl.join(n3, n7)))      # [.., c, j, e2, e1, e0]
+    vals = word_values(words, USE_ASM)                             # [.., c, j, e2, e1, e0]
     vals = tl.reshape(vals, (REP, 2, W, 8, 4, 2, 2, 2, 2, 2))        # j -> j1, j0
     vals = vals * s16[:, :, :, :, :, :, None, None, None, None]
     vals = tl.reshape(vals, (REP, 2, W, 8, 2, 2, 2, 2, 2, 2, 2))     # c -> c1, c0
