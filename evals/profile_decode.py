@@ -28,15 +28,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd  # noqa: E402
 
 
-def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -> str:
-    """Instruction counts of the longest loop in the kernel's SASS."""
+def _cuda_tool(kernel, tool: str, *args: str) -> str:
+    """Output of one of Triton's bundled CUDA binary tools (nvdisasm, cuobjdump) run on the
+    kernel's cubin."""
     import triton
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                            "nvdisasm")
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     path = "/tmp/nvfp4kv_decode.cubin"
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
-    sass = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True).stdout
+    return subprocess.run([exe, *args, path], capture_output=True, text=True).stdout
+
+
+def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -> str:
+    """Instruction counts of the longest loop in the kernel's SASS."""
+    sass = _cuda_tool(kernel, "nvdisasm", "-c")
     lines = [re.sub(r"/\*[^*]*\*/", "", x) for x in sass.splitlines()]
     labels = {m.group(1): i for i, x in enumerate(lines)
               if (m := re.match(r"\s*\.(L_x_\d+):", x))}
@@ -71,13 +76,7 @@ def compile_sm90(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 1
 def resources(kernel) -> str:
     """Registers per thread, spill stack and shared memory of a compiled kernel; with them
     the programs that fit one H200 SM (65,536 registers, 227 KB of shared memory)."""
-    import triton
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "cuobjdump")
-    path = "/tmp/nvfp4kv_decode_res.cubin"
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    out = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
+    out = _cuda_tool(kernel, "cuobjdump", "-res-usage")
     regs, stack = (int(re.search(rf"{k}:(\d+)", out).group(1)) for k in ("REG", "STACK"))
     smem, threads = kernel.metadata.shared, 32 * kernel.metadata.num_warps
     fit = min(65536 // (regs * threads), 227 * 1024 // max(1, smem))

@@ -168,6 +168,20 @@ def mma_col_to_d(k):
 
 
 @triton.jit
+def _words_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
+               N: tl.constexpr, J0: tl.constexpr, NJ: tl.constexpr):
+    """(the side's base pointers, the int32 words 4 c + J0 .. 4 c + J0 + NJ - 1 of each row
+    [REP, 2, W, 8] and lane quarter c: [REP, 2, W, 8, c, j]) of a D = 128 tile."""
+    D: tl.constexpr = 128
+    side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + D // 16))
+    word = (tl.arange(0, 4)[:, None] * 4 + J0 + tl.arange(0, NJ)[None, :])
+    words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, :, :, :, None, None]
+                    + word[None, None, None, None, :, :], mask=tmask[:, :, :, :, None, None],
+                    other=0)
+    return side, words
+
+
+@triton.jit
 def load_half_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
                   N: tl.constexpr, USE_ASM: tl.constexpr, HALF: tl.constexpr):
     """load_tile_mma's columns 64 HALF .. 64 HALF + 63 (words j = 2 HALF, 2 HALF + 1 of each
@@ -176,12 +190,7 @@ def load_half_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
     G: tl.constexpr = 8
     REP: tl.constexpr = row.shape[0]
     W: tl.constexpr = row.shape[2]
-    side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
-    c = tl.arange(0, 4)
-    m5 = tmask[:, :, :, :, None, None]
-    word = (c[:, None] * 4 + 2 * HALF + tl.arange(0, 2)[None, :])[None, None, None, None, :, :]
-    words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, :, :, :, None, None]
-                    + word, mask=m5, other=0)                       # [REP, 2, W, 8, c, j0]
+    side, words = _words_mma(cache_ptr, page_off, row, SIDE, tmask, H, N, 2 * HALF, 2)
     g = (2 * tl.arange(0, 4) + HALF)[None, None, None, None, :]    # group 2 c + j1
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
                  mask=tmask[:, :, :, :, None], other=0)             # [REP, 2, W, 8, c]
@@ -208,12 +217,7 @@ def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
     G: tl.constexpr = 8
     REP: tl.constexpr = row.shape[0]
     W: tl.constexpr = row.shape[2]
-    side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
-    c = tl.arange(0, 4)
-    m5 = tmask[:, :, :, :, None, None]
-    word = (c[:, None] * 4 + tl.arange(0, 4)[None, :])[None, None, None, None, :, :]
-    words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, :, :, :, None, None]
-                    + word, mask=m5, other=0)                       # [REP, 2, W, 8, c, j]
+    side, words = _words_mma(cache_ptr, page_off, row, SIDE, tmask, H, N, 0, 4)
     g = tl.arange(0, G)[None, None, None, None, :]   # a row's 8 scales: one 8-byte load
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
                  mask=tmask[:, :, :, :, None], other=0)
