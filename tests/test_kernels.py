@@ -657,40 +657,30 @@ def test_decode_refuses_16_token_tiles(device):
                            block_n=16)
 
 
-@pytest.mark.parametrize("d,block_n,mma_k,warps", [
-    (96, 32, None, 4), (96, 64, None, 4), (96, 128, None, 4), (96, None, None, 4),
-    (128, 64, True, 4), (128, 128, True, 4), (128, 256, True, 4), (128, 128, False, 4),
-    (128, 128, True, 8)])
-def test_decode_block_n(device, d, block_n, mma_k, warps):
+HALVES = dict(v_halves=True, maxnreg=128)  # maxnreg: a compile option, no effect interpreted
+
+
+@pytest.mark.parametrize("d,block_n,mma_k,warps,qpk,kw", [
+    (96, 32, None, 4, 1, {}), (96, 64, None, 4, 1, {}), (96, 128, None, 4, 1, {}),
+    (96, None, None, 4, 1, {}), (128, 64, True, 4, 1, {}), (128, 128, True, 4, 1, {}),
+    (128, 256, True, 4, 1, {}), (128, 128, False, 4, 1, {}), (128, 128, True, 8, 1, {}),
+    (128, 128, None, 4, 4, {**HALVES, "k_halves": True}),
+    (128, 64, None, 4, 4, {**HALVES, "k_halves": True}), (128, 128, None, 4, 4, HALVES),
+    (96, 64, None, 4, 4, {**HALVES, "k_halves": True}), (64, 32, None, 4, 4, HALVES)])
+def test_decode_block_n(device, d, block_n, mma_k, warps, qpk, kw):
     """Every tile size the launcher accepts (None: its own choice), one and several splits,
     single-token and multi-page sequences; at D = 128 with K decoded straight into the MMA
-    layout (codec.load_tile_mma, Q permuted alike; 4 and 8 warps) and through shared memory."""
-    n, hkv, qpk = 16, 2, 1
+    layout (codec.load_tile_mma, Q permuted alike; 4 and 8 warps) and through shared memory.
+    GQA with P.V in two halves of the head dim (v_halves; D = 96: the second half is part
+    padding) and Q.K^T too (k_halves: where K is decoded into the MMA layout, else ignored)."""
+    n, hkv = 16, 2
     seq_lens = [1, 40, 0, 300]
-    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, seed=7)
+    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, seed=7 + qpk)
     ref = _ref_decode(q, cache, table, sl, 0.1, 1.0, 1.0)
-    for splits in (1, 2):
+    for splits in (1, 2 if qpk == 1 else 3):
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
         K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, num_splits=splits,
-                           block_n=block_n, mma_k=mma_k, num_warps=warps)
-        _check_decode(out, ref, seq_lens)
-
-
-@pytest.mark.parametrize("d,block_n,k_halves", [(128, 128, True), (128, 64, True),
-                                               (128, 128, False), (96, 64, True), (64, 32, False)])
-def test_decode_v_halves(device, d, block_n, k_halves):
-    """P.V in two halves of the head dim (v_halves; D = 96: the second half is part padding),
-    Q.K^T too (k_halves: at D = 128 with K in the MMA layout; ignored elsewhere), one and
-    several splits, GQA, and a register cap (maxnreg: a compile option, no effect in the
-    interpreter)."""
-    n, hkv, qpk = 16, 2, 4
-    seq_lens = [1, 40, 0, 300]
-    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, seed=11)
-    ref = _ref_decode(q, cache, table, sl, 0.1, 1.0, 1.0)
-    for splits in (1, 3):
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-        K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, num_splits=splits,
-                           block_n=block_n, v_halves=True, k_halves=k_halves, maxnreg=128)
+                           block_n=block_n, mma_k=mma_k, num_warps=warps, **kw)
         _check_decode(out, ref, seq_lens)
 
 
