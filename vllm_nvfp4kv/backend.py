@@ -55,7 +55,8 @@ def options() -> dict:
       inside the cache writer (kernels.write_cache k_sub / rotate_k) instead of two torch ops
       per layer and step; the same cache bytes (tests/test_kernels.py). Off until timed and
       tested on a GPU. Not with K smoothing or NVFP4KV_CALIBRATE=online/collect (they read
-      the transformed K). (The decode kernel's rotate_q is not used: it costs registers.)"""
+      the transformed K), nor for head sizes that are not a power of two. (The decode
+      kernel's rotate_q is not used: it costs registers.)"""
     env = os.environ.get
     return {"four_over_six": env("NVFP4KV_FOUR_OVER_SIX", "1") == "1",
             "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
@@ -380,6 +381,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         cal = calibration_settings()
         self._fused_k = (self.fuse_transforms_option and key.is_cuda and self.space.k_mul is None
                          and (self.space.k_sub is not None or self.space.rotate_k)
+                         and self.head_size & (self.head_size - 1) == 0  # whole-row loads
                          and not (cal["online"] or cal["collect"]))
 
     def _first_real_batch(self, layer, key, slot_mapping) -> None:
