@@ -30,7 +30,7 @@ if __name__ == "__main__" and "--toy" in sys.argv:
 import triton  # noqa: E402
 
 from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
-from vllm_nvfp4kv.kernels.decode import choose_num_splits  # noqa: E402
+from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, choose_num_splits  # noqa: E402
 from vllm_nvfp4kv.kernels.rotation import rotate  # noqa: E402
 
 # K+V, D=128; int4: [K(64) | K scale+zero-point(4) | V(64) | V scale+zero-point(4)]
@@ -291,9 +291,9 @@ def ab(args):
     for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
         for ns, err in check(args, device, mma_k=mma_k, num_warps=warps).items():
             res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}"] = err
-    for kh, reg in ((False, None), (False, 128), (True, 128), (True, 96)):
-        for ns, err in check(args, device, v_halves=True, k_halves=kh, maxnreg=reg).items():
-            res[f"check_max_err_v_halves_k{int(kh)}_r{reg}_s{ns}"] = err
+    for name, kw in DECODE_VARIANTS.items():
+        for ns, err in check(args, device, **kw).items():
+            res[f"check_max_err_{name}_s{ns}"] = err
     print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
     res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
     shapes = [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072)]
@@ -306,16 +306,12 @@ def ab(args):
                     ("mma_k_bn64", dict(mma_k=True, block_n=64)),
                     ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
                     ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
-                    ("v_halves", dict(mma_k=True, v_halves=True)),
-                    ("v_halves_r128", dict(mma_k=True, v_halves=True, maxnreg=128)),
-                    ("kv_halves_r128", dict(mma_k=True, v_halves=True, k_halves=True,
-                                            maxnreg=128)),
-                    ("kv_halves_r96", dict(mma_k=True, v_halves=True, k_halves=True,
-                                           maxnreg=96)),
+                    *((name, dict(mma_k=True, **kw)) for name, kw in DECODE_VARIANTS.items()
+                      if name != "default"),
                     # the query's rotation in the kernel (compare with kv_halves_r128 plus
                     # rotate_q_torch_ms, the GEMM it replaces)
-                    ("kv_halves_r128_rotq", dict(mma_k=True, v_halves=True, k_halves=True,
-                                                 maxnreg=128, rotate_q=True)))
+                    ("kv_halves_r128_rotq", dict(mma_k=True, rotate_q=True,
+                                                 **DECODE_VARIANTS["kv_halves_r128"])))
         for name, kw in variants:
             row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
             row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])

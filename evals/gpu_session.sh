@@ -86,7 +86,8 @@ case "${1:?stage}" in
   sweep-32k-fp8|sweep-32k-nvfp4) timeout 570 python3 evals/serve_bench.py --dtypes "${1#sweep-32k-}" \
                 --input-len 32768 --output-len 1024 --kv-cache-memory-bytes 17179869184 \
                 --iso-capacity --concurrency 7 2 --budget-s 360 \
-                --out "$OUT/serve_sweep_h200_32k_${1#sweep-32k-}.json" 2>&1 | tail -8 ;;
+                --out "$OUT/serve_sweep_h200_32k_${1#sweep-32k-}${NVFP4KV_DECODE_VARIANT:+_$NVFP4KV_DECODE_VARIANT}.json" \
+                2>&1 | tail -8 ;;
   sweep-128k) timeout 570 python3 evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 129984 \
                 --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \
                 --concurrency 2 --prompts-per-concurrency 1 --budget-s 420 \

@@ -196,6 +196,17 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
              mask=d < D)
 
 
+# Launch variants that fit more programs per SM (README, "What bounds it"): A/B'd by
+# evals/bench_decode.py --ab, chosen in the backend by NVFP4KV_DECODE_VARIANT.
+DECODE_VARIANTS = {
+    "default": {},
+    "v_halves": dict(v_halves=True),
+    "v_halves_r128": dict(v_halves=True, maxnreg=128),
+    "kv_halves_r128": dict(v_halves=True, k_halves=True, maxnreg=128),
+    "kv_halves_r96": dict(v_halves=True, k_halves=True, maxnreg=96),
+}
+
+
 def mma_k_applies(d: int, num_warps: int, block_n: int) -> bool:
     """Whether codec.load_tile_mma's register layout fits the launch (D = 128, a wgmma row
     block of 16 rows per warp, 4 or 8 warps)."""

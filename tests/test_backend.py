@@ -446,3 +446,17 @@ def test_fused_k_write_gives_the_same_cache(rotate_k):
             assert impl._online_center and impl.space.k_sub.abs().max() > 100
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])
+
+
+def test_decode_variant_option():
+    """NVFP4KV_DECODE_VARIANT picks a launch variant of the decode kernel by name (the
+    serving A/B of kernels.decode.DECODE_VARIANTS); unknown names are refused."""
+    from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS
+    impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
+    assert impl.decode_variant == {}
+    with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "kv_halves_r128"}):
+        impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
+    assert impl.decode_variant == DECODE_VARIANTS["kv_halves_r128"] != {}
+    with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "fast"}), \
+            pytest.raises(ValueError, match="NVFP4KV_DECODE_VARIANT"):
+        NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")

@@ -22,7 +22,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, write_cache
-from vllm_nvfp4kv.kernels.decode import choose_num_splits
+from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.cache_space import CacheSpace
 from vllm_nvfp4kv.calibration import (k_mid_range, k_transform, log_once, prepare_write,
@@ -56,14 +56,19 @@ def options() -> dict:
       per layer and step; the same cache bytes (tests/test_kernels.py). Off until timed and
       tested on a GPU. Not with K smoothing or NVFP4KV_CALIBRATE=online/collect (they read
       the transformed K), nor for head sizes that are not a power of two. (The decode
-      kernel's rotate_q is not used: it costs registers.)"""
+      kernel's rotate_q is not used: it costs registers.)
+    NVFP4KV_DECODE_VARIANT (default "default"): the decode kernel's launch variant
+      (kernels.decode.DECODE_VARIANTS: P.V / Q.K^T in head-dim halves, capped registers; more
+      programs per SM), for serving A/Bs until one is measured to be the better default."""
     env = os.environ.get
     return {"four_over_six": env("NVFP4KV_FOUR_OVER_SIX", "1") == "1",
             "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
             "rotate_v": env("NVFP4KV_ROTATE_V", "0") == "1",
             "center_k": _choice("NVFP4KV_CENTER_K", "auto", ("auto", "0", "1")),
             "prefill_from_cache": env("NVFP4KV_PREFILL_FROM_CACHE", "0") == "1",
-            "fuse_transforms": env("NVFP4KV_FUSE_TRANSFORMS", "0") == "1"}
+            "fuse_transforms": env("NVFP4KV_FUSE_TRANSFORMS", "0") == "1",
+            "decode_variant": _choice("NVFP4KV_DECODE_VARIANT", "default",
+                                      tuple(DECODE_VARIANTS))}
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -296,6 +301,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             opts["rotate_k"] == "auto" and pow2), rotate_v=opts["rotate_v"])
         self._space_ready = False
         self.fuse_transforms_option = opts["fuse_transforms"]
+        self.decode_variant = DECODE_VARIANTS[opts["decode_variant"]]
         self._fused_k = False  # K's transform in the writer (decided at the first eager write)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
@@ -461,7 +467,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             decode_attention(q, kv_cache, md.block_table[:b], md.seq_lens[:b], out, self.scale,
                              k_scale, v_scale, sliding_window=self.window,
                              softcap=self.softcap, sinks=self.sinks,
-                             num_splits=md.decode_num_splits)
+                             num_splits=md.decode_num_splits, **self.decode_variant)
         else:
             res = reference.paged_attention(q, kv_cache, md.block_table[:b],
                                             torch.arange(b + 1), md.seq_lens[:b], self.scale,
