@@ -292,6 +292,8 @@ def ab(args):
         for ns, err in check(args, device, mma_k=mma_k, num_warps=warps).items():
             res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}"] = err
     for name, kw in DECODE_VARIANTS.items():
+        if args.variants and name not in args.variants:
+            continue
         for ns, err in check(args, device, **kw).items():
             res[f"check_max_err_{name}_s{ns}"] = err
     print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
@@ -312,6 +314,8 @@ def ab(args):
                     # rotate_q_torch_ms, the GEMM it replaces)
                     ("kv_halves_r128_rotq", dict(mma_k=True, rotate_q=True,
                                                  **DECODE_VARIANTS["kv_halves_r128"])))
+        variants = [(n, kw) for n, kw in variants
+                    if not args.variants or n in args.variants or n == "mma_k"]
         for name, kw in variants:
             row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
             row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])
@@ -431,6 +435,8 @@ def main():
                          "faulted at 262,144 on an H200, poisoning the CUDA context)")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--ab", action="store_true", help="kernel variants A/B (see ab())")
+    ap.add_argument("--variants", nargs="+", help="--ab: only these variants (and mma_k, the "
+                    "default kernel), e.g. v_halves kv_halves_r128 kv_halves_r96")
     ap.add_argument("--split-sweep", action="store_true", help="see split_sweep()")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")

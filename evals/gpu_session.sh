@@ -56,7 +56,9 @@ case "${1:?stage}" in
                 2>&1 | tail -8 ;;
   decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 --int4-max-tokens 0 --ctx 4096 16384 32768 131072 524288 1048576 \
                 --out "$OUT/decode_h200.json" 2>&1 | quiet | tail -40 ;;
+  # AB_VARIANTS="v_halves kv_halves_r128": a subset (each variant compiles for ~10-20 s)
   ab)       timeout 560 python3 evals/bench_decode.py --ab --out "$OUT/decode_ab_h200.json" \
+                ${AB_VARIANTS:+--variants $AB_VARIANTS} \
                 2>&1 | quiet | tail -12 ;;
   splits)   timeout 560 python3 evals/bench_decode.py --split-sweep \
                 --out "$OUT/decode_splits_h200.json" 2>&1 | grep best ;;
@@ -65,7 +67,8 @@ case "${1:?stage}" in
   sanitize) timeout 570 compute-sanitizer --tool memcheck --print-limit 10 python3 \
                 evals/bench_decode.py --ab --once --out "$OUT/decode_ab_sanitize.json" 2>&1 \
                 | grep -E "=====|Invalid|out of bounds|ERROR SUMMARY|Error" | head -40 ;;
-  kernel-tests) timeout 300 python3 -P -m pytest -q -x tests/test_kernels.py -k "decode or codec" \
+  kernel-tests) timeout 300 python3 -P -m pytest -q -x tests/test_kernels.py \
+                -k "decode or codec or write_cache" \
                 2>&1 | tail -3 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
                 2>&1 | grep best ;;
