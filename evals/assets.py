@@ -37,8 +37,8 @@ def engine_env() -> bool:
 
 
 def run_info(on_gpu: bool) -> dict:
-    """What a result was measured with: date, device, package versions and this checkout's
-    commit (+uncommitted where tracked files differ)."""
+    """What a result was measured with: date, device, package versions, this checkout's
+    commit (+uncommitted where tracked files differ) and the plugin's NVFP4KV_* settings."""
     import contextlib
     import datetime
     import importlib.metadata as md
@@ -56,7 +56,8 @@ def run_info(on_gpu: bool) -> dict:
             "+uncommitted" if git("status", "--porcelain", "--untracked-files=no") else "")
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name() if on_gpu else
-            f"CPU ({os.cpu_count()} cores)", "versions": v}
+            f"CPU ({os.cpu_count()} cores)", "versions": v,
+            "nvfp4kv_env": {k: val for k, val in os.environ.items() if k.startswith("NVFP4KV_")}}
 
 
 def rows_per_dtype(script: str, dtypes: list[str], out: str, measure) -> list[dict]:

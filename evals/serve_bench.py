@@ -430,7 +430,8 @@ def main():
            "model": "Llama-3-8B shape, dummy weights, SmolLM2 tokenizer" if dummy
            else Path(model).name, "model_path": model,
            "tokens_per_request": args.input_len + args.output_len,
-           "args": vars(args), "servers": [], "rows": []}
+           "args": vars(args), "run": __import__("assets").run_info(on_gpu), "servers": [],
+           "rows": []}
 
     def save():
         res["ratios"] = ratios(res["rows"], args.baseline)

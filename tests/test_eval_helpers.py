@@ -3,6 +3,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 import assets  # noqa: E402
@@ -112,6 +113,8 @@ def test_run_info_names_device_versions_and_commit():
     info = assets.run_info(on_gpu=False)
     assert info["device"] == f"CPU ({os.cpu_count()} cores)" and info["date"][:2] == "20"
     assert "torch" in info["versions"] and "vllm-nvfp4kv (git)" in info["versions"]
+    with mock.patch.dict(os.environ, {"NVFP4KV_DECODE_VARIANT": "v_halves"}):
+        assert assets.run_info(on_gpu=False)["nvfp4kv_env"]["NVFP4KV_DECODE_VARIANT"] == "v_halves"
 
 
 def test_fidelity_plot_panels_by_model_and_device(tmp_path):
