@@ -253,7 +253,7 @@ def plot(res: dict, png: Path) -> None:
     a = res["args"]
     kv = (f", KV budget {a['kv_cache_memory_bytes'] / 2**20:,.0f} MiB per dtype"
           if a.get("kv_cache_memory_bytes") else "")
-    fig.suptitle(f"vllm serve + vllm bench serve, {res['device']}, {res['model']}, "
+    fig.suptitle(f"vllm serve + vllm bench serve, {res['device']}, {res['model']},\n"
                  f"{a['input_len']} in / {a['output_len']} out{kv} ({res['date']}, vLLM "
                  f"{res['vllm']})", fontsize=9)
     fig.tight_layout()
