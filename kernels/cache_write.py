@@ -9,7 +9,7 @@ import triton.language as tl
 from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e4m3_decode,
                     e4m3_encode, round_to)
 from .format import GROUP_SIZE, PageLayout
-from .rotation import fwht, hadamard
+from .rotation import fwht, hadamard_entry
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         assert d & (d - 1) == 0 and key.stride(2) == 1
         assert k_sub is None or (k_sub.shape == (h, d) and k_sub.is_contiguous()
                                  and k_sub.dtype == key.dtype)
-    rot_c = float(hadamard(d, str(key.device), key.dtype)[0, 0]) if rotate_k else 1.0
+    rot_c = hadamard_entry(d, key.dtype) if rotate_k else 1.0
     _write_kernel[(t, h)](
         key, value, kv_cache, slot_mapping,
         _as_scale(k_scale, key.device), _as_scale(v_scale, key.device),

@@ -29,7 +29,7 @@ import triton.language as tl
 from .codec import (ROW_FACTOR, load_half_mma, load_page_rows, load_tile_mma, mma_col_to_d,
                     round_to)
 from .format import PageLayout
-from .rotation import fwht, hadamard
+from .rotation import fwht, hadamard_entry
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -289,7 +289,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     sinks_arg = sinks if sinks is not None else k_scale
     if rotate_q and d & (d - 1):
         raise ValueError(f"rotate_q needs a power-of-two head dim, got {d}")
-    rot_c = float(hadamard(d, str(dev), q.dtype)[0, 0]) if rotate_q else 1.0
+    rot_c = hadamard_entry(d, q.dtype) if rotate_q else 1.0
     _decode_kernel[(bsz, hkv, num_splits)](
         q, kv_cache, block_table, seq_lens, k_scale, v_scale, sinks_arg, out, part_out,
         part_lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),

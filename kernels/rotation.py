@@ -23,6 +23,13 @@ def hadamard(d: int, device: str, dtype: torch.dtype) -> torch.Tensor:
     return (h / d ** 0.5).to(device=device, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=16)
+def hadamard_entry(d: int, dtype: torch.dtype) -> float:
+    """|H[j, k]| of hadamard(d, ..., dtype) as a host float (no device read: callable while a
+    CUDA graph is being captured)."""
+    return float(hadamard(d, "cpu", dtype)[0, 0])
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> x @ H / sqrt(D) (orthonormal, symmetric: its own inverse): one matmul in
     x's dtype (fp32 accumulation, one rounding). In BF16 the entries +-2^-3.5 (D = 128) round
