@@ -1,6 +1,7 @@
 """Decode-attention kernel benchmark: NVFP4 (ours) vs FP8 and BF16 paged decode (vLLM's
-FlashAttention-3; FlashInfer if FA3 is missing) and vLLM's own 4-bit KV cache
-(kv_cache_dtype int4_per_token_head, TRITON_ATTN backend), measured in one run on one GPU.
+FlashAttention-3; FlashInfer if FA3 is missing) and vLLM's own 4-bit KV caches
+(kv_cache_dtype int4_per_token_head, TRITON_ATTN backend; turboquant_4bit_nc, TURBOQUANT
+backend's Triton decode), measured in one run on one GPU.
 
 Llama-3-8B-like heads by default (32 q / 8 kv, D=128), page size 16, random page order, one
 layer. Each timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph).
@@ -33,8 +34,9 @@ from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, wr
 from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, choose_num_splits  # noqa: E402
 from vllm_nvfp4kv.kernels.rotation import rotate  # noqa: E402
 
-# K+V, D=128; int4: [K(64) | K scale+zero-point(4) | V(64) | V scale+zero-point(4)]
-BYTES_PER_TOKEN_HEAD = {"bf16": 512, "fp8": 256, "nvfp4": 144, "int4": 136}
+# K+V, D=128; int4: [K(64) | K scale+zero-point(4) | V(64) | V scale+zero-point(4)];
+# tq4 (turboquant_4bit_nc): [K codebook indices(64) + norm(2) | V(64) + scale+zero(4)]
+BYTES_PER_TOKEN_HEAD = {"bf16": 512, "fp8": 256, "nvfp4": 144, "int4": 136, "tq4": 134}
 
 
 def copy_bandwidth(device) -> float:
@@ -187,6 +189,49 @@ def header(args, device) -> dict:
     return res
 
 
+def tq4_fn(p: Problem, kv: torch.Tensor | None = None):
+    """vLLM's turboquant_4bit_nc decode (Hadamard-rotated 4-bit Lloyd-Max keys with norm
+    correction, 4-bit uniform values): the TURBOQUANT backend's launcher
+    triton_turboquant_decode_attention (Triton stage 1 + LSE stage 2, 32 splits: the backend's
+    default for CUDA graphs), over a cache written by its own store kernel with the backend's
+    Hadamard matrix and centroids. FlashAttention-2, which the backend needs for prefill, is
+    not involved. kv [slots, Hkv, D]: what slot s holds as K and V (default random)."""
+    import vllm.triton_utils as vtu
+    stub = vtu.triton, vtu.tl
+    if p.device.type == "cpu":  # vLLM's CPU build stubs Triton out: import its kernels real
+        vtu.triton, vtu.tl = triton, triton.language
+    try:
+        from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
+        from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
+        from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
+        from vllm.v1.attention.ops.triton_turboquant_decode import (
+            triton_turboquant_decode_attention)
+        from vllm.v1.attention.ops.triton_turboquant_store import triton_turboquant_store
+    finally:  # the rest of the process keeps what vLLM chose
+        vtu.triton, vtu.tl = stub
+    cfg = TurboQuantConfig.from_cache_dtype("turboquant_4bit_nc", p.d)
+    assert cfg.slot_size_aligned == BYTES_PER_TOKEN_HEAD["tq4"] * p.d // 128
+    cache = torch.zeros(p.num_blocks, p.page, p.hkv, cfg.slot_size_aligned, dtype=torch.uint8,
+                        device=p.device)
+    hadamard = _build_hadamard(p.d, str(p.device))
+    centroids = get_centroids(p.d, cfg.centroid_bits).to(device=p.device, dtype=torch.float32)
+    ordered = centroids.sort().values
+    midpoints = (ordered[:-1] + ordered[1:]) / 2
+    quant = dict(mse_bits=cfg.key_mse_bits, key_packed_size=cfg.key_packed_size,
+                 value_quant_bits=cfg.effective_value_quant_bits, key_fp8=cfg.key_fp8)
+    chunk, total = 1 << 20, p.num_blocks * p.page
+    for s in range(0, total, chunk):
+        n = min(chunk, total - s)
+        x = torch.randn(n, p.hkv, p.d, dtype=torch.bfloat16, device=p.device) if kv is None \
+            else kv[s:s + n]
+        triton_turboquant_store(x, x, cache, torch.arange(s, s + n, dtype=torch.int32,
+                                                          device=p.device),
+                                hadamard, midpoints, **quant)
+    return lambda: triton_turboquant_decode_attention(
+        p.q, cache, p.block_table, p.seq_lens, hadamard, centroids, p.scale,
+        norm_correction=cfg.norm_correction, PiT=hadamard, max_num_kv_splits=32, **quant)
+
+
 def kv_gbps(name: str, batch: int, ctx: int, args, ms: float) -> float:
     """KV bytes the decode of batch x ctx tokens reads with cache dtype `name`, per second."""
     byts = batch * ctx * args.hkv * BYTES_PER_TOKEN_HEAD[name] * args.d / 128
@@ -225,6 +270,10 @@ def bench(args):
                 row["int4_ms"] = time_fn(int4_fn(p), device)
             except Exception as e:  # noqa: BLE001 (the baseline must never stop the sweep)
                 print(f"int4 failed at b{batch} ctx {ctx}: {type(e).__name__}: {e}", flush=True)
+            try:
+                row["tq4_ms"] = time_fn(tq4_fn(p), device)
+            except Exception as e:  # noqa: BLE001 (the baseline must never stop the sweep)
+                print(f"tq4 failed at b{batch} ctx {ctx}: {type(e).__name__}: {e}", flush=True)
             if have_fa3:
                 for name, dt in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
                     if batch * ctx * args.hkv * BYTES_PER_TOKEN_HEAD[name] > args.max_dense_bytes:
@@ -232,7 +281,7 @@ def bench(args):
                     k, v = p.dense_cache(dt)
                     row[f"{name}_ms"] = time_fn(fa3_fn(p, k, v, name == "fp8"), device)
                     del k, v
-            for name in ("nvfp4", "int4", "fp8", "bf16"):
+            for name in ("nvfp4", "int4", "tq4", "fp8", "bf16"):
                 if f"{name}_ms" in row:
                     row[f"{name}_GBps"] = kv_gbps(name, batch, ctx, args, row[f"{name}_ms"])
             if "fp8_ms" in row:
@@ -241,6 +290,8 @@ def bench(args):
                 row["speedup_vs_bf16"] = row["bf16_ms"] / row["nvfp4_ms"]
             if "int4_ms" in row:
                 row["speedup_vs_int4"] = row["int4_ms"] / row["nvfp4_ms"]
+            if "tq4_ms" in row:
+                row["speedup_vs_tq4"] = row["tq4_ms"] / row["nvfp4_ms"]
             row["nvfp4_frac_copy_bw"] = row.get("nvfp4_GBps", 0) * 1e9 / copy_bw
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
@@ -373,13 +424,15 @@ def plot(res, path):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for b in batches:
         rs = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["ctx"])
-        for name, style in (("nvfp4", "-o"), ("int4", "-.d"), ("fp8", "--s"), ("bf16", ":^")):
+        for name, style in (("nvfp4", "-o"), ("int4", "-.d"), ("tq4", "-.x"), ("fp8", "--s"),
+                            ("bf16", ":^")):
             xs = [r["ctx"] for r in rs if f"{name}_ms" in r]
             if xs:
                 axes[0].plot(xs, [r[f"{name}_GBps"] for r in rs if f"{name}_ms" in r], style,
                              label=f"{name} b{b}")
         for key, style, lab in (("speedup_vs_fp8", "-o", "FP8"),
-                                ("speedup_vs_int4", "-.d", "INT4")):
+                                ("speedup_vs_int4", "-.d", "INT4"),
+                                ("speedup_vs_tq4", "-.x", "TQ 4-bit")):
             xs = [r["ctx"] for r in rs if key in r]
             if xs:
                 axes[1].plot(xs, [r[key] for r in rs if key in r], style, label=f"vs {lab}, b{b}")
@@ -388,8 +441,9 @@ def plot(res, path):
         axes[0].axhline(bw, color="k", lw=0.8, label="copy bandwidth")
     axes[1].axhline(1.6, color="r", lw=0.8, ls="--", label="target 1.6x")
     for ax, t in zip(axes, ("effective KV GB/s",
-                            "NVFP4 speed-up over FP8 (FA3) and INT4 (vLLM Triton)")):
-        if ax is axes[0] or any("speedup_vs_fp8" in r or "speedup_vs_int4" in r for r in rows):
+                            "NVFP4 speed-up over FP8 (FA3), INT4 and TQ 4-bit (vLLM Triton)")):
+        if ax is axes[0] or any(k in r for r in rows for k in ("speedup_vs_fp8", "speedup_vs_int4",
+                                                                 "speedup_vs_tq4")):
             ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_title(t)
@@ -403,15 +457,16 @@ def print_markdown(res):
     print(f"{res['gpu']}, {res['date']}, torch {res['torch']}, triton {res['triton']}, "
           f"vLLM {res.get('vllm', '-')} FA3; heads {res['heads']}, page {res['page']}; "
           f"copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s (read + write)\n")
-    print("| batch | context | BF16 FA3 ms | FP8 FA3 ms | INT4 Triton ms | NVFP4 ms "
-          "| NVFP4 speed-up vs FP8 | vs BF16 | vs INT4 | NVFP4 KV GB/s | INT4 KV GB/s "
-          "| % of copy bw |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| batch | context | BF16 FA3 ms | FP8 FA3 ms | INT4 Triton ms | TQ 4-bit Triton ms "
+          "| NVFP4 ms | NVFP4 speed-up vs FP8 | vs BF16 | vs INT4 | vs TQ 4-bit | NVFP4 KV GB/s "
+          "| INT4 KV GB/s | % of copy bw |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in res["rows"]:
         f = lambda k, fmt=".3f": format(r[k], fmt) if k in r else "-"  # noqa: E731
         print(f"| {r['batch']} | {r['ctx'] // 1024}K | {f('bf16_ms')} | {f('fp8_ms')} | "
-              f"{f('int4_ms')} | {f('nvfp4_ms')} | {f('speedup_vs_fp8', '.2f')}x | "
+              f"{f('int4_ms')} | {f('tq4_ms')} | {f('nvfp4_ms')} | {f('speedup_vs_fp8', '.2f')}x | "
               f"{f('speedup_vs_bf16', '.2f')}x | {f('speedup_vs_int4', '.2f')}x | "
+              f"{f('speedup_vs_tq4', '.2f')}x | "
               f"{r['nvfp4_GBps']:.0f} | {f('int4_GBps', '.0f')} | "
               f"{100 * r['nvfp4_frac_copy_bw']:.0f}% |")
 
@@ -460,13 +515,15 @@ def main():
     if not args.tune and res["rows"]:
         plot(res, args.out.replace(".json", ".png"))
     if not args.tune:
-        print(f"{'ctx':>8} {'b':>3} {'nvfp4 ms':>9} {'int4 ms':>8} {'fp8 ms':>8} {'bf16 ms':>8} "
-              f"{'x int4':>6} {'x fp8':>6} {'x bf16':>6} {'GB/s':>6} {'%copy':>6}")
+        print(f"{'ctx':>8} {'b':>3} {'nvfp4 ms':>9} {'int4 ms':>8} {'tq4 ms':>8} {'fp8 ms':>8} "
+              f"{'bf16 ms':>8} {'x int4':>6} {'x tq4':>6} {'x fp8':>6} {'x bf16':>6} {'GB/s':>6} "
+              f"{'%copy':>6}")
         for r in res["rows"]:
             print(f"{r['ctx']:>8} {r['batch']:>3} {r['nvfp4_ms']:>9.4f} "
-                  f"{r.get('int4_ms', float('nan')):>8.4f} "
+                  f"{r.get('int4_ms', float('nan')):>8.4f} {r.get('tq4_ms', float('nan')):>8.4f} "
                   f"{r.get('fp8_ms', float('nan')):>8.4f} {r.get('bf16_ms', float('nan')):>8.4f} "
                   f"{r.get('speedup_vs_int4', float('nan')):>6.2f} "
+                  f"{r.get('speedup_vs_tq4', float('nan')):>6.2f} "
                   f"{r.get('speedup_vs_fp8', float('nan')):>6.2f} "
                   f"{r.get('speedup_vs_bf16', float('nan')):>6.2f} "
                   f"{r.get('nvfp4_GBps', float('nan')):>6.0f} "
