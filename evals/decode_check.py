@@ -79,8 +79,8 @@ def main():
     for r in rows:
         if ref is not None and "token_ids" in r:
             r.update(agreement(ref["token_ids"], r["token_ids"]))
-    res = {**assets.run_info(on_gpu), "model": str(model), "questions": args.questions, "max_tokens": args.max_tokens,
-           "rows": rows}
+    res = {**assets.run_info(on_gpu), "model": str(model), "questions": args.questions,
+           "max_tokens": args.max_tokens, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print("| KV dtype | tokens equal to BF16 before the first difference | first answer |")

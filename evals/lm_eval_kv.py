@@ -397,8 +397,6 @@ def main():
     chunk = t.prefill_chunk if args.prefill_chunk is None else args.prefill_chunk
     res = {**assets.run_info(on_gpu), "model": model,
            "task": args.task, "lm_eval_task": t.name, "description": t.description,
-           # the plugin's options of this run (e.g. NVFP4KV_SCALES_FILE with K smoothing)
-           "nvfp4kv_env": {k: v for k, v in os.environ.items() if k.startswith("NVFP4KV_")},
            "metric": f"{t.metric},{t.filter}", "limit": args.limit,
            "scored_without_limit": t.scored, "prefill_chunk": chunk,
            "cache_reads_note": (

@@ -59,7 +59,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 import urllib.request
@@ -347,18 +346,6 @@ def device_name(on_gpu: bool) -> str:
     return f"cpu ({cpu}, {os.cpu_count()} cores)"
 
 
-def git_rev() -> str | None:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "evals/serve_bench.py",
-                                "vllm_nvfp4kv", "kernels"], cwd=HERE.parent,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (rev + ("+dirty" if dirty else "")) or None
-    except Exception:  # noqa: BLE001 - no git on the machine
-        return None
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="HF folder (default: Llama-3-8B shape on a GPU, "
@@ -424,14 +411,14 @@ def main():
         plugin = version("vllm-nvfp4kv")
     except Exception:  # noqa: BLE001 - not installed as a dist
         plugin = None
+    run = __import__("assets").run_info(on_gpu)
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": device_name(on_gpu), "vllm": vllm.__version__, "torch": torch.__version__,
-           "vllm_nvfp4kv": plugin, "git": git_rev(),
+           "vllm_nvfp4kv": plugin, "git": run["versions"].get("vllm-nvfp4kv (git)"),
            "model": "Llama-3-8B shape, dummy weights, SmolLM2 tokenizer" if dummy
            else Path(model).name, "model_path": model,
            "tokens_per_request": args.input_len + args.output_len,
-           "args": vars(args), "run": __import__("assets").run_info(on_gpu), "servers": [],
-           "rows": []}
+           "args": vars(args), "run": run, "servers": [], "rows": []}
 
     def save():
         res["ratios"] = ratios(res["rows"], args.baseline)

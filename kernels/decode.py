@@ -64,8 +64,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     q_rows = q_ptr + b * stride_qt + heads[:, None] * stride_qh
     if ROTATE_Q:  # q @ H as rotation.rotate computes it, in qd's order (a bit permutation)
         q = tl.load(q_rows + qd[None, :], mask=qo_mask, other=0.0)
-        q = round_to(fwht(q.to(tl.float32), D, LOG2_D) * rot_c, q.dtype)
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q = _as_fp16(round_to(fwht(q.to(tl.float32), D, LOG2_D) * rot_c, q.dtype))
         if K_HALVES:  # load_half_mma's halves are the top bit of the MMA column order
             q_lo, q_hi = tl.split(tl.permute(tl.reshape(q, (QG_PAD, 2, 64)), (0, 2, 1)))
     elif K_HALVES:  # Q's two halves in load_half_mma's column orders
@@ -156,8 +155,13 @@ def _locate(block_table_ptr, b, stride_bt, page_stride, kvh, tok, hi, N: tl.cons
 
 @triton.jit
 def _load_q(q_rows, dd, mask):
-    """Query elements dd of rows q_rows as fp16 (clamped: exact in range)."""
-    q = tl.load(q_rows + dd[None, :], mask=mask, other=0.0)
+    """Query elements dd of rows q_rows as fp16."""
+    return _as_fp16(tl.load(q_rows + dd[None, :], mask=mask, other=0.0))
+
+
+@triton.jit
+def _as_fp16(q):
+    """BF16/FP16 query -> fp16 for the MMA (clamped: exact in range)."""
     return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 

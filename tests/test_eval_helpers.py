@@ -144,7 +144,6 @@ def test_turboquant_baseline_attends_like_exact_attention():
     """bench_decode's turboquant_4bit_nc baseline (vLLM's store and decode kernels, run in the
     interpreter here) is set up right: over a cache it wrote, its decode output is within 4-bit
     error of exact attention over the same K/V (not garbage from a wrong layout or codebook)."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
     import bench_decode as bd
     p = bd.Problem(1, 96, 8, 2, 128, 16, torch.device("cpu"))
