@@ -32,7 +32,6 @@ import triton  # noqa: E402
 
 from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
 from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, choose_num_splits  # noqa: E402
-from vllm_nvfp4kv.kernels.rotation import rotate  # noqa: E402
 
 # K+V, D=128; int4: [K(64) | K scale+zero-point(4) | V(64) | V scale+zero-point(4)];
 # tq4 (turboquant_4bit_nc): [K codebook indices(64) + norm(2) | V(64) + scale+zero(4)]
@@ -333,10 +332,11 @@ def tune(args):
 def ab(args):
     """A/B of kernel variants at a few shapes in one process, FA3 FP8 as the yardstick:
     K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
-    tiles, 8 warps, twice the default split count (more CTAs per SM), P.V in head-dim halves
-    (v_halves: less shared memory) alone and with registers capped at 128 (4 programs per SM
-    instead of 3, some spilled), and with Q.K^T in halves too (k_halves: 141 registers
-    uncapped) capped at 128 (4 per SM, no spills) and 96 (5 per SM, spilled)."""
+    tiles, 8 warps, twice the default split count (more CTAs per SM), and DECODE_VARIANTS: P.V
+    over the whole head dim (full_v; the default runs it in halves: less shared memory), with
+    registers capped at 128 (4 programs per SM instead of 3, some spilled), and with Q.K^T in
+    halves too (k_halves: 141 registers uncapped) capped at 128 (4 per SM, no spills) and 96
+    (5 per SM, spilled)."""
     device = torch.device("cuda")
     res = header(args, device)
     for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
@@ -360,17 +360,12 @@ def ab(args):
                     ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
                     ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
                     *((name, dict(mma_k=True, **kw)) for name, kw in DECODE_VARIANTS.items()
-                      if name != "default"),
-                    # the query's rotation in the kernel (compare with kv_halves_r128 plus
-                    # rotate_q_torch_ms, the GEMM it replaces)
-                    ("kv_halves_r128_rotq", dict(mma_k=True, rotate_q=True,
-                                                 **DECODE_VARIANTS["kv_halves_r128"])))
+                      if name != "default"))
         variants = [(n, kw) for n, kw in variants
                     if not args.variants or n in args.variants or n == "mma_k"]
         for name, kw in variants:
             row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
             row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])
-        row["rotate_q_torch_ms"] = time_fn(lambda: rotate(p.q), device)
         del cache
         try:
             k, v = p.dense_cache(torch.float8_e4m3fn)
@@ -491,7 +486,7 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--ab", action="store_true", help="kernel variants A/B (see ab())")
     ap.add_argument("--variants", nargs="+", help="--ab: only these variants (and mma_k, the "
-                    "default kernel), e.g. v_halves kv_halves_r128 kv_halves_r96")
+                    "default kernel), e.g. full_v kv_halves_r128 kv_halves_r96")
     ap.add_argument("--split-sweep", action="store_true", help="see split_sweep()")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")

@@ -16,8 +16,7 @@ DIV16 = ("page_stride", "stride_qt", "stride_ot", "stride_bt", "stride_kt", "str
 
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
                       mma_k: bool = True, features: bool = False,
-                      v_halves: bool = False, k_halves: bool = False,
-                      rotate_q: bool = False) -> dict:
+                      v_halves: bool = True, k_halves: bool = False) -> dict:
     """The decode kernel's constexprs as decode_attention sets them (Llama-3-8B heads, page
     16, several splits); features: softcap, sliding window and sinks on."""
     return dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
@@ -25,8 +24,7 @@ def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int =
                 USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
                 MMA_K=mma_k and mma_k_applies(d, warps, block_n),
                 NW=warps, V_HALVES=v_halves,
-                K_HALVES=k_halves and mma_k and mma_k_applies(d, warps, block_n),
-                ROTATE_Q=rotate_q, LOG2_D=d.bit_length() - 1)
+                K_HALVES=k_halves and mma_k and mma_k_applies(d, warps, block_n))
 
 
 def specs() -> dict:
@@ -37,7 +35,7 @@ def specs() -> dict:
                       out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
                       stride_qt="i32", stride_qh="i32", stride_ot="i32", stride_oh="i32",
                       stride_bt="i32", page_stride="i64", sm_scale="fp32", softcap="fp32",
-                      window="i32", num_splits="i32", rot_c="fp32")
+                      window="i32", num_splits="i32")
     write_sig = dict(key_ptr="*bf16", value_ptr="*bf16", cache_ptr=P, slot_ptr="*i64",
                      k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_sub_ptr="*bf16",
                      stride_kt="i32", stride_kh="i32", stride_vt="i32", stride_vh="i32",
@@ -62,13 +60,10 @@ def specs() -> dict:
         "decode-smem-k-d96": (decode._decode_kernel, decode_sig,
                               decode_constexprs(d=96, features=True), 4),
         "decode-8warps": (decode._decode_kernel, decode_sig, decode_constexprs(warps=8), 8),
-        "decode-v-halves": (decode._decode_kernel, decode_sig,
-                            decode_constexprs(features=True, v_halves=True), 4),
-        "decode-kv-halves-rotate-q": (decode._decode_kernel, decode_sig,
-                                      decode_constexprs(v_halves=True, k_halves=True,
-                                                        rotate_q=True), 4),
-        "decode-rotate-q": (decode._decode_kernel, decode_sig,
-                            decode_constexprs(features=True, rotate_q=True), 4),
+        "decode-full-v": (decode._decode_kernel, decode_sig,
+                          decode_constexprs(features=True, v_halves=False), 4),
+        "decode-kv-halves": (decode._decode_kernel, decode_sig,
+                             decode_constexprs(k_halves=True), 4),
         "reduce": (decode._reduce_kernel,
                    dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32",
                         out_ptr="*bf16", stride_ot="i32", stride_oh="i32", num_splits="i32"),

@@ -26,10 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import (ROW_FACTOR, load_half_mma, load_page_rows, load_tile_mma, mma_col_to_d,
-                    round_to)
+from .codec import ROW_FACTOR, load_half_mma, load_page_rows, load_tile_mma, mma_col_to_d
 from .format import PageLayout
-from .rotation import fwht, hadamard_entry
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -38,13 +36,12 @@ LOG2E = tl.constexpr(1.4426950408889634)
 def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
                    sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, page_stride,
-                   sm_scale, softcap, window, num_splits, rot_c,
+                   sm_scale, softcap, window, num_splits,
                    H: tl.constexpr, QPK: tl.constexpr, QG_PAD: tl.constexpr, N: tl.constexpr,
                    D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr,
-                   NW: tl.constexpr, V_HALVES: tl.constexpr, K_HALVES: tl.constexpr,
-                   ROTATE_Q: tl.constexpr, LOG2_D: tl.constexpr):
+                   NW: tl.constexpr, V_HALVES: tl.constexpr, K_HALVES: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -62,12 +59,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     qo_mask = (gq < QPK)[:, None] & (d < D)[None, :]
     qd = mma_col_to_d(d) if MMA_K else d  # Q's head dim in the order K is decoded in
     q_rows = q_ptr + b * stride_qt + heads[:, None] * stride_qh
-    if ROTATE_Q:  # q @ H as rotation.rotate computes it, in qd's order (a bit permutation)
-        q = tl.load(q_rows + qd[None, :], mask=qo_mask, other=0.0)
-        q = _as_fp16(round_to(fwht(q.to(tl.float32), D, LOG2_D) * rot_c, q.dtype))
-        if K_HALVES:  # load_half_mma's halves are the top bit of the MMA column order
-            q_lo, q_hi = tl.split(tl.permute(tl.reshape(q, (QG_PAD, 2, 64)), (0, 2, 1)))
-    elif K_HALVES:  # Q's two halves in load_half_mma's column orders
+    if K_HALVES:  # Q's two halves in load_half_mma's column orders
         q_lo = _load_q(q_rows, mma_col_to_d(tl.arange(0, 64)), (gq < QPK)[:, None])
         q_hi = _load_q(q_rows, mma_col_to_d(64 + tl.arange(0, 64)), (gq < QPK)[:, None])
     else:
@@ -202,12 +194,14 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
 
 # Launch variants that fit more programs per SM (README, "What bounds it"): A/B'd by
 # evals/bench_decode.py --ab, chosen in the backend by NVFP4KV_DECODE_VARIANT.
+# The default (P.V in head-dim halves) was 2-4% faster than the full-width P.V ("full_v") on
+# the H200 (2026-12-04, decode_ab_h200.json); the register-capped variants were 15-30% slower.
 DECODE_VARIANTS = {
     "default": {},
-    "v_halves": dict(v_halves=True),
-    "v_halves_r128": dict(v_halves=True, maxnreg=128),
-    "kv_halves_r128": dict(v_halves=True, k_halves=True, maxnreg=128),
-    "kv_halves_r96": dict(v_halves=True, k_halves=True, maxnreg=96),
+    "full_v": dict(v_halves=False),
+    "v_halves_r128": dict(maxnreg=128),
+    "kv_halves_r128": dict(k_halves=True, maxnreg=128),
+    "kv_halves_r96": dict(k_halves=True, maxnreg=96),
 }
 
 
@@ -241,8 +235,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      max_seq_len: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int = 2,
                      use_asm: bool | None = None, mma_k: bool | None = None,
-                     v_halves: bool = False, k_halves: bool = False,
-                     maxnreg: int | None = None, rotate_q: bool = False) -> torch.Tensor:
+                     v_halves: bool = True, k_halves: bool = False,
+                     maxnreg: int | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -252,15 +246,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     use_asm: the inline-PTX nibble decoder (default on CUDA; False: the portable formula).
     mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default
     where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens).
-    v_halves: P.V in two halves of the head dim, so V^T's shared-memory staging is half as
-    large; k_halves (where mma_k applies): K decoded and multiplied in two halves of the head
-    dim, so half the decoded tile is live; maxnreg: a cap on registers per thread (ptxas
-    spills the rest). Together they fit 4-5 programs per SM instead of 3 (README, "What bounds
-    it"). A/B variants (evals/bench_decode.py --ab), not defaults: not yet timed on a GPU.
-    rotate_q: attend with rotation.rotate(q) (power-of-two D), computed in the kernel instead
-    of by a GEMM before it; an A/B variant: with the default variant it raises the registers
-    from 168 to 179 (2 programs per SM; capped at 168, the loop grows 4%), with k_halves at
-    maxnreg=128 it costs 2 loop instructions (sm_90 build)."""
+    v_halves (default): P.V in two halves of the head dim, so V^T's shared-memory staging is
+    half as large (2-4% faster than the full width on the H200); k_halves (where mma_k
+    applies): K decoded and multiplied in two halves of the head dim, so half the decoded tile
+    is live; maxnreg: a cap on registers per thread (ptxas spills the rest). With both, 4-5
+    programs fit per SM instead of 3, but they ran 15-30% slower (README, "What bounds it");
+    kept as A/B variants (evals/bench_decode.py --ab)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -291,21 +282,18 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     else:
         part_out = part_lse = out
     sinks_arg = sinks if sinks is not None else k_scale
-    if rotate_q and d & (d - 1):
-        raise ValueError(f"rotate_q needs a power-of-two head dim, got {d}")
-    rot_c = hadamard_entry(d, q.dtype) if rotate_q else 1.0
     _decode_kernel[(bsz, hkv, num_splits)](
         q, kv_cache, block_table, seq_lens, k_scale, v_scale, sinks_arg, out, part_out,
         part_lse, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), float(sm_scale), float(softcap), int(sliding_window or 0), num_splits,
-        rot_c, H=hkv, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=n, D=d,
+        H=hkv, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=n, D=d,
         G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n,
         SPLIT=num_splits > 1, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm,
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
         MMA_K=mma_ok if mma_k is None else mma_k and mma_ok, NW=num_warps,
         V_HALVES=v_halves and d >= 32, K_HALVES=k_halves and mma_ok and mma_k is not False,
-        ROTATE_Q=rotate_q, LOG2_D=d.bit_length() - 1, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
         **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](

@@ -2,7 +2,7 @@
 while the rotation spreads a key's outlier channels over all of its 16-value blocks, which
 4-bit blocks quantize better. `rotate` (torch, the reference) is applied by the backend
 before the writer and to the queries before attention; `fwht` is the same transform inside
-Triton kernels (the writer's k_sub/rotate_k, the decode kernel's rotate_q)."""
+Triton kernels (the writer's k_sub/rotate_k)."""
 from __future__ import annotations
 
 import functools

@@ -684,29 +684,6 @@ def test_decode_block_n(device, d, block_n, mma_k, warps, qpk, kw):
         _check_decode(out, ref, seq_lens)
 
 
-@pytest.mark.parametrize("d,block_n,mma_k,k_halves,q_dtype", [
-    (128, 128, None, False, torch.bfloat16), (128, 64, None, True, torch.bfloat16),
-    (128, 128, False, False, torch.float16), (64, 32, None, False, torch.bfloat16)])
-def test_decode_rotate_q(device, d, block_n, mma_k, k_halves, q_dtype):
-    """rotate_q: the kernel attends with rotation.rotate(q) computed in the kernel (in the MMA
-    column order of K where K is decoded into it, k_halves too): the same output as the
-    launch given the query rotated by torch (bit for bit in BF16; in FP16 torch's CPU matmul
-    rounds a few rotated elements differently)."""
-    from vllm_nvfp4kv.kernels.rotation import rotate
-    n, hkv, qpk = 16, 2, 4
-    seq_lens = [1, 40, 300]
-    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, seed=13,
-                                       q_dtype=q_dtype)
-    for splits in (1, 3):
-        kw = dict(num_splits=splits, block_n=block_n, mma_k=mma_k, k_halves=k_halves)
-        want = torch.empty(q.shape, dtype=q.dtype, device=device)
-        K.decode_attention(rotate(q), cache, table, sl, want, 0.1, 1.0, 1.0, **kw)
-        got = torch.empty_like(want)
-        K.decode_attention(q, cache, table, sl, got, 0.1, 1.0, 1.0, rotate_q=True, **kw)
-        exact = dict(atol=0, rtol=0) if q_dtype == torch.bfloat16 else {}
-        torch.testing.assert_close(got, want, **exact)
-
-
 def test_decode_fp16_query_small_tiles_default_splits(device):
     """fp16 q and output, BLOCK_N 32 (two pages per tile), the default split choice."""
     d, n, hkv, qpk = 128, 16, 2, 1
