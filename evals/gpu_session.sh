@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|decode-check|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|decode-check|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -91,10 +91,13 @@ case "${1:?stage}" in
                 --iso-capacity --concurrency 7 2 --budget-s 360 \
                 --out "$OUT/serve_sweep_h200_32k_${1#sweep-32k-}${NVFP4KV_DECODE_VARIANT:+_$NVFP4KV_DECODE_VARIANT}.json" \
                 2>&1 | tail -8 ;;
-  sweep-128k) timeout 570 python3 evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 129984 \
+  # one dtype per call as at 32K: both in one call ran out of time (2026-12-04: the FP8
+  # server's cold start took 238 s, its one point 30 s); join with serve_bench.py --combine
+  sweep-128k-fp8|sweep-128k-nvfp4) timeout 570 python3 evals/serve_bench.py \
+                --dtypes "${1#sweep-128k-}" --input-len 129984 \
                 --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \
-                --concurrency 2 --prompts-per-concurrency 1 --budget-s 420 \
-                --out "$OUT/serve_sweep_h200_128k.json" 2>&1 | tail -12 ;;
+                --concurrency 2 --prompts-per-concurrency 1 --budget-s 480 \
+                --out "$OUT/serve_sweep_h200_128k_${1#sweep-128k-}.json" 2>&1 | tail -12 ;;
   step)     timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \
                 --out "$OUT/profile_step_h200.json" 2>&1 | grep -E "^  |us of GPU" ;;
   # K centering + rotation inside the writer (NVFP4KV_FUSE_TRANSFORMS=1) against stage step

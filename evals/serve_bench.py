@@ -33,11 +33,12 @@ On a CPU: SmolLM2-135M-Instruct (dtypes auto nvfp4: vLLM's CPU FP8 KV cache need
         --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \\
         --concurrency 7 2 --budget-s 360 --out evals/results/serve_sweep_h200_32k_fp8.json
     # H200, 128K context (129,984 in + 1,024 out + 64 = Llama-3's 131,072), 20 GiB of KV
-    # (FP8 admits 2, NVFP4 4), one prompt per request slot, one call (estimated ~6-7 min):
-    timeout 570 python evals/serve_bench.py --dtypes fp8 nvfp4 --input-len 129984 \\
+    # (FP8 admits 2, NVFP4 4), one prompt per request slot. Measured (2026-12-04): the FP8
+    # server's cold start 238 s, its point 30 s; NVFP4's start 134 s. One dtype per call:
+    timeout 570 python evals/serve_bench.py --dtypes fp8 --input-len 129984 \\
         --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \\
-        --concurrency 2 --prompts-per-concurrency 1 --budget-s 420 \\
-        --out evals/results/serve_sweep_h200_128k.json
+        --concurrency 2 --prompts-per-concurrency 1 --budget-s 480 \\
+        --out evals/results/serve_sweep_h200_128k_fp8.json      # then --dtypes nvfp4, _nvfp4
     # CPU (SmolLM2-135M, 12 MiB of KV in blocks of 128 tokens: BF16 holds 4 blocks, NVFP4
     # 15, one reserved, so they admit 3 and 14 requests of 96 + 32 tokens), ~6 min:
     python evals/serve_bench.py --dtypes auto nvfp4 --input-len 96 --output-len 32 \\
