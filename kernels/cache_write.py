@@ -6,16 +6,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e4m3_decode,
-                    e4m3_encode, round_to)
+from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e2m1_pack_words,
+                    e4m3_decode, e4m3_encode, round_to)
 from .format import GROUP_SIZE, PageLayout
 from .rotation import fwht, hadamard_entry
 
 
 @triton.jit
 def _encode_blocks(xe, xo, amax, g, TARGET: tl.constexpr):
-    """Blocks (even [G, 8], odd [G, 8] values) with amax mapped to TARGET -> (bytes, scale
-    codes, squared error per block)."""
+    """Blocks (even [G, 8], odd [G, 8] values) with amax mapped to TARGET -> (data words
+    [G, 2], scale codes, squared error per block)."""
     s = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, TARGET), g))
     scale = e4m3_decode(s) * g
     r = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
@@ -24,7 +24,9 @@ def _encode_blocks(xe, xo, amax, g, TARGET: tl.constexpr):
     de = e2m1_decode_fp16(ce).to(tl.float32) * E2M1_FP16_FACTOR * scale[:, None] - _finite(xe)
     do = e2m1_decode_fp16(co).to(tl.float32) * E2M1_FP16_FACTOR * scale[:, None] - _finite(xo)
     err = tl.sum(de * de, axis=1) + tl.sum(do * do, axis=1)
-    return (ce | (co << 4)).to(tl.uint8), s, err
+    G: tl.constexpr = xe.shape[0]
+    codes = tl.reshape(tl.join(tl.reshape(ce, (G, 2, 4)), tl.reshape(co, (G, 2, 4))), (G, 2, 8))
+    return e2m1_pack_words(codes), s, err
 
 
 @triton.jit
@@ -60,16 +62,16 @@ def _quantize_row(x_ptr, g, col, cmask, FOUR_OVER_SIX: tl.constexpr):
 
 @triton.jit
 def _quantize_vals(xe, xo, g, FOUR_OVER_SIX: tl.constexpr):
-    """Even and odd elements [G, 8] of one row -> (bytes [G, 8], scale codes [G])."""
+    """Even and odd elements [G, 8] of one row -> (data words [G, 2], scale codes [G])."""
     amax = tl.maximum(tl.max(tl.where(xe == xe, tl.abs(xe), 0.0), axis=1),
                       tl.max(tl.where(xo == xo, tl.abs(xo), 0.0), axis=1))
-    byte, s, err = _encode_blocks(xe, xo, amax, g, 6.0)
+    word, s, err = _encode_blocks(xe, xo, amax, g, 6.0)
     if FOUR_OVER_SIX:  # keep amax -> 4 where its squared error is strictly smaller
-        byte4, s4, err4 = _encode_blocks(xe, xo, amax, g, 4.0)
+        word4, s4, err4 = _encode_blocks(xe, xo, amax, g, 4.0)
         use4 = err4 < err
-        byte = tl.where(use4[:, None], byte4, byte)
+        word = tl.where(use4[:, None], word4, word)
         s = tl.where(use4, s4, s)
-    return byte, s
+    return word, s
 
 
 @triton.jit
@@ -95,15 +97,16 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
         if side == 0 and (HAS_K_SUB or ROTATE_K):
             xe, xo = _key_as_cached(key_ptr + t * stride_kt + h * stride_kh, k_sub_ptr, h,
                                     rot_c, D, G_PAD, HAS_K_SUB, ROTATE_K, LOG2_D)
-            byte, s = _quantize_vals(xe, xo, tl.load(k_scale_ptr), FOUR_OVER_SIX)
+            word, s = _quantize_vals(xe, xo, tl.load(k_scale_ptr), FOUR_OVER_SIX)
         elif side == 0:
-            byte, s = _quantize_row(key_ptr + t * stride_kt + h * stride_kh,
+            word, s = _quantize_row(key_ptr + t * stride_kt + h * stride_kh,
                                     tl.load(k_scale_ptr), col, cmask, FOUR_OVER_SIX)
         else:
-            byte, s = _quantize_row(value_ptr + t * stride_vt + h * stride_vh,
+            word, s = _quantize_row(value_ptr + t * stride_vt + h * stride_vh,
                                     tl.load(v_scale_ptr), col, cmask, FOUR_OVER_SIX)
         base = page + side * SIDE_BYTES
-        tl.store(base + row * (D // 2) + gi[:, None] * 8 + ii[None, :], byte, mask=cmask)
+        wptr = (base + row * (D // 2)).to(tl.pointer_type(tl.int32))  # rows are 4-aligned
+        tl.store(wptr + gi[:, None] * 2 + tl.arange(0, 2)[None, :], word, mask=cmask)
         tl.store(base + H * N * (D // 2) + row * G + gi, s, mask=gi < G)
 
 

@@ -9,6 +9,14 @@ Both are exact, branch-free and the same on every GPU and in Triton's interprete
 import triton
 import triton.language as tl
 
+from .format import WORD_PAIR_ROTATION, WORD_SIGN_ROTATION
+
+# format.py's word layout: pair k's magnitudes come to bits 9..11 / 25..27 of an fp16x2 when
+# the word is rotated right by 3k, its signs to 15 / 31 when rotated by SIGN_ROT_k (6, 9 for
+# pairs 2, 3: the same rotation); e2m1_word_fp16 spells the same numbers in PTX.
+assert WORD_PAIR_ROTATION == (0, 3, 6, 9) and WORD_SIGN_ROTATION[2:] == (6, 9)
+SIGN_ROT_0 = tl.constexpr(WORD_SIGN_ROTATION[0])
+SIGN_ROT_1 = tl.constexpr(WORD_SIGN_ROTATION[1])
 # Factors the fp16 bit tricks leave on the decoded values (folded by callers).
 E2M1_FP16_FACTOR = tl.constexpr(16384.0) # e2m1 = decoded * 2**14
 E4M3_FP16_FACTOR = tl.constexpr(256.0) # e4m3 = decoded * 2**8
@@ -40,6 +48,20 @@ def e4m3_decode_fp16(code):
 
 
 @triton.jit
+def e4m3_scale_fp16(code):
+    """E4M3 scale code (uint8) -> fp16 holding value * 2**7, the row scale of ROW_FACTOR: one
+    fp16 multiply by 2**15, exact (|value| * 2**7 <= 57,344 < fp16's 65,504)."""
+    return e4m3_decode_fp16(code) * tl.full((), 32768.0, tl.float16)
+
+
+@triton.jit
+def e4m3_scale_fp16(code):
+    """E4M3 scale code (uint8) -> fp16 holding value * 2**7, the row scale of ROW_FACTOR: one
+    fp16 multiply by 2**15, exact (|value| * 2**7 <= 57,344 < fp16's 65,504)."""
+    return e4m3_decode_fp16(code) * tl.full((), 32768.0, tl.float16)
+
+
+@triton.jit
 def e4m3_decode(code):
     """E4M3 code (uint8, non-negative) -> fp32 value."""
     return e4m3_decode_fp16(code).to(tl.float32) * E4M3_FP16_FACTOR
@@ -63,10 +85,27 @@ def e2m1_decode_fp16(code):
 
 
 @triton.jit
-def e2m1_unpack_fp16(packed):
-    """uint8 bytes -> (low nibbles, high nibbles) as fp16 holding value * 2**-14: the portable
-    per-element formula (interpreter, and the readable definition of e2m1_word_fp16)."""
-    return e2m1_decode_fp16(packed & 0xF), e2m1_decode_fp16(packed >> 4)
+def _rotr(w, r: tl.constexpr):
+    """Rotate uint32 words right by r bits."""
+    return (w >> r) | (w << ((32 - r) % 32))
+
+
+@triton.jit
+def e2m1_pack_words(codes):
+    """4-bit codes [..., 8] (int32; the 8 elements of each word in order) -> int32 words [...]
+    in format.py's word layout: element e = 2k + p at bits (9 + 16p + 3k) % 32 .. +2 (rotated
+    in 32 bits), its sign at (15 + 16p + WORD_SIGN_ROTATION[k]) % 32."""
+    e = tl.arange(0, 8)
+    k = e // 2
+    p = e % 2
+    rho = 3 * k
+    sigma = tl.where(k == 0, SIGN_ROT_0, tl.where(k == 1, SIGN_ROT_1, rho))
+    mag_pos = ((9 + 16 * p + rho) % 32).to(tl.uint32)
+    sign_pos = ((15 + 16 * p + sigma) % 32).to(tl.uint32)
+    c = codes.to(tl.uint32)
+    mag = c & 7
+    bits = (mag << mag_pos) | (mag >> ((32 - mag_pos) % 32)) | ((c >> 3) << sign_pos)
+    return tl.sum(bits, axis=len(codes.shape) - 1).to(tl.int32, bitcast=True)  # disjoint: sum = or
 
 
 # Decoded rows hold true values * 2**-7: e2m1 * 2**-14 times an fp16 scale of e4m3 * 2**7
@@ -76,24 +115,23 @@ ROW_FACTOR = tl.constexpr(128.0)
 
 @triton.jit
 def e2m1_word_fp16(word):
-    """CUDA only. int32 words of packed data (8 elements n0..n7, byte i = n(2i+1) << 4 | n(2i))
-    -> 8 fp16 tensors n0..n7 holding value * 2**-14. Per word: one shift, then per byte one
-    PRMT putting its low nibble (from word << 4) and its high nibble at bits 12..15 of the
-    two halves of a register, and (t >> 3) & 0x0E000E00 | t & 0x80008000: each register is a
-    natural element pair (what the MMA operands want, no repacking); 17 instructions."""
+    """CUDA only. int32 data words (format.py's word layout) -> their 8 elements n0..n7 as fp16
+    tensors holding value * 2**-14. Pair k (n2k, n2k+1) is one fp16x2 register: the word rotated
+    right by 3k (a funnel shift) has the magnitudes at bits 9..11 / 25..27; pairs 2 and 3 find
+    their signs at 15 / 31 in the same rotation (one AND with 0x8E008E00), pairs 0 and 1 take
+    them from a second rotation (AND 0x80008000, then one LOP3 (a & 0x0E000E00) | b). 11
+    instructions per word (17 for two nibbles per byte). Each register is a natural element
+    pair, what the MMA operands want."""
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 x4, t, m, p;
-        shl.b32 x4, $8, 4;
-        prmt.b32 t, x4, $8, 0x4000; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
-        lop3.b32 p, m, t, 0x80008000, 0xF8; mov.b32 {$0, $1}, p;
-        prmt.b32 t, x4, $8, 0x5111; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
-        lop3.b32 p, m, t, 0x80008000, 0xF8; mov.b32 {$2, $3}, p;
-        prmt.b32 t, x4, $8, 0x6222; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
-        lop3.b32 p, m, t, 0x80008000, 0xF8; mov.b32 {$4, $5}, p;
-        prmt.b32 t, x4, $8, 0x7333; shr.b32 m, t, 3; and.b32 m, m, 0x0E000E00;
-        lop3.b32 p, m, t, 0x80008000, 0xF8; mov.b32 {$6, $7}, p;
+        .reg .b32 a, b, p;
+        shf.r.wrap.b32 b, $8, $8, 23; and.b32 b, b, 0x80008000;
+        lop3.b32 p, $8, b, 0x0E000E00, 0xEC; mov.b32 {$0, $1}, p;
+        shf.r.wrap.b32 a, $8, $8, 3; shf.r.wrap.b32 b, $8, $8, 24; and.b32 b, b, 0x80008000;
+        lop3.b32 p, a, b, 0x0E000E00, 0xEC; mov.b32 {$2, $3}, p;
+        shf.r.wrap.b32 a, $8, $8, 6; and.b32 p, a, 0x8E008E00; mov.b32 {$4, $5}, p;
+        shf.r.wrap.b32 a, $8, $8, 9; and.b32 p, a, 0x8E008E00; mov.b32 {$6, $7}, p;
         }
         """,
         constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
@@ -118,31 +156,32 @@ def load_page_rows(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.co
     gi = G_FIRST + tl.arange(0, G_PAD)
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, None] + gi[None, :],
                  mask=tmask[:, None] & (gi < G)[None, :], other=0)
-    s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
-    if USE_ASM:  # 32-bit words (rows are 4-byte aligned: D/2 and the page offsets are)
-        w = 2 * G_FIRST + tl.arange(0, G_PAD * 2)
-        words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, None]
-                        + w[None, :], mask=tmask[:, None] & (w < D // 8)[None, :], other=0)
-        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
-        vals = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
-                       tl.join(tl.join(n1, n5), tl.join(n3, n7)))  # [R, W, p, q, r]: 4p+2q+r
-    else:
-        j = 8 * G_FIRST + tl.arange(0, G_PAD * 8)
-        data = tl.load((side + row * (D // 2))[:, None] + j[None, :],
-                       mask=tmask[:, None] & (j < D // 2)[None, :], other=0)
-        lo, hi = e2m1_unpack_fp16(data)
-        vals = tl.join(lo, hi)
+    s16 = e4m3_scale_fp16(sc)
+    w = 2 * G_FIRST + tl.arange(0, G_PAD * 2)  # 32-bit words: D/2 and page offsets are 4-aligned
+    words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, None] + w[None, :],
+                    mask=tmask[:, None] & (w < D // 8)[None, :], other=0)
+    vals = word_values(words, USE_ASM)                              # [R, W, 2, 2, 2]
     vals = tl.reshape(vals, (R, G_PAD, 16))
     return tl.reshape(vals * s16[:, :, None], (R, G_PAD * 16))
 
 
 @triton.jit
+def _pair_fp16(w, RHO: tl.constexpr, SIGMA: tl.constexpr):
+    """Pair k of uint32 words w (RHO, SIGMA: its rotations, format.py) -> (low, high) fp16."""
+    pair = (_rotr(w, RHO) & 0x0E000E00) | (_rotr(w, SIGMA) & 0x80008000)
+    return ((pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True),
+            (pair >> 16).to(tl.uint16).to(tl.float16, bitcast=True))
+
+
+@triton.jit
 def e2m1_word_fp16_portable(word):
     """e2m1_word_fp16 as a per-element formula (interpreter, any GPU): 8 fp16 tensors."""
-    return (e2m1_decode_fp16(word & 0xF), e2m1_decode_fp16((word >> 4) & 0xF),
-            e2m1_decode_fp16((word >> 8) & 0xF), e2m1_decode_fp16((word >> 12) & 0xF),
-            e2m1_decode_fp16((word >> 16) & 0xF), e2m1_decode_fp16((word >> 20) & 0xF),
-            e2m1_decode_fp16((word >> 24) & 0xF), e2m1_decode_fp16((word >> 28) & 0xF))
+    w = word.to(tl.uint32, bitcast=True)
+    n0, n1 = _pair_fp16(w, 0, SIGN_ROT_0)
+    n2, n3 = _pair_fp16(w, 3, SIGN_ROT_1)
+    n4, n5 = _pair_fp16(w, 6, 6)
+    n6, n7 = _pair_fp16(w, 9, 9)
+    return n0, n1, n2, n3, n4, n5, n6, n7
 
 
 @triton.jit
@@ -194,7 +233,7 @@ def load_half_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
     g = (2 * tl.arange(0, 4) + HALF)[None, None, None, None, :]    # group 2 c + j1
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
                  mask=tmask[:, :, :, :, None], other=0)             # [REP, 2, W, 8, c]
-    s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
+    s16 = e4m3_scale_fp16(sc)
     vals = word_values(words, USE_ASM)                             # [.., c, j0, e2, e1, e0]
     vals = vals * s16[:, :, :, :, :, None, None, None, None]
     vals = tl.reshape(vals, (REP, 2, W, 8, 2, 2, 2, 2, 2, 2))        # c -> c1, c0
@@ -222,7 +261,7 @@ def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
                  mask=tmask[:, :, :, :, None], other=0)
     sc = tl.reshape(sc, (REP, 2, W, 8, 4, 2))                       # group 2 c + j1
-    s16 = (e4m3_decode_fp16(sc).to(tl.float32) * 32768.0).to(tl.float16)
+    s16 = e4m3_scale_fp16(sc)
     vals = word_values(words, USE_ASM)                             # [.., c, j, e2, e1, e0]
     vals = tl.reshape(vals, (REP, 2, W, 8, 4, 2, 2, 2, 2, 2))        # j -> j1, j0
     vals = vals * s16[:, :, :, :, :, :, None, None, None, None]

@@ -10,7 +10,7 @@ import math
 import torch
 
 from .format import (E2M1_MAX, E2M1_THRESHOLDS, E2M1_VALUES, E4M3_MAX, GROUP_SIZE,
-                     PageLayout)
+                     WORD_MAG_BITS, WORD_SIGN_BITS, PageLayout)
 
 
 # ---------------------------------------------------------------- scalar formats
@@ -66,17 +66,39 @@ def quantize(x: torch.Tensor, global_scale: float | torch.Tensor, four_over_six:
         err4 = ((e2m1_decode(code4) * scale4 - xf) ** 2).sum(-1, keepdim=True)
         use4 = err4 < err6
         s, code = torch.where(use4, s4, s), torch.where(use4, code4, code)
-    code = code.flatten(-2)                                               # [..., D]
-    data = code[..., 0::2] | (code[..., 1::2] << 4)
-    return data, s.squeeze(-1)
+    return pack_codes(code.flatten(-2)), s.squeeze(-1)
+
+
+def pack_codes(code: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [..., D] (element order) -> data bytes [..., D/2] in the word layout of
+    format.py (WORD_MAG_BITS, WORD_SIGN_BITS; little-endian words of 8 elements)."""
+    c = code.to(torch.int64).unflatten(-1, (-1, 8))                      # [..., D/8, 8]
+    word = torch.zeros(c.shape[:-1], dtype=torch.int64, device=code.device)
+    for e in range(8):
+        mag, pos = c[..., e] & 7, WORD_MAG_BITS[e]
+        word |= ((mag << pos) | (mag >> (32 - pos))) & 0xFFFFFFFF       # rotate left in 32 bits
+        word |= (c[..., e] >> 3) << WORD_SIGN_BITS[e]
+    data = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1)
+    return data.flatten(-2).to(torch.uint8)
+
+
+def unpack_codes(data: torch.Tensor) -> torch.Tensor:
+    """Data bytes [..., D/2] -> 4-bit codes [..., D] (uint8, element order)."""
+    b = data.to(torch.int64).unflatten(-1, (-1, 4))
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    codes = []
+    for e in range(8):
+        pos = WORD_MAG_BITS[e]
+        mag = ((word >> pos) | (word << (32 - pos))) & 7                 # rotate right
+        codes.append(mag | (((word >> WORD_SIGN_BITS[e]) & 1) << 3))
+    return torch.stack(codes, dim=-1).flatten(-2).to(torch.uint8)
 
 
 def dequantize(data: torch.Tensor, scales: torch.Tensor,
                global_scale: float | torch.Tensor) -> torch.Tensor:
     """(data [..., D/2], scales [..., D/16]) -> fp32 [..., D]."""
     g = torch.as_tensor(global_scale, dtype=torch.float32, device=data.device)
-    code = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)       # [..., D]
-    vals = e2m1_decode(code).unflatten(-1, (-1, GROUP_SIZE))
+    vals = e2m1_decode(unpack_codes(data)).unflatten(-1, (-1, GROUP_SIZE))
     return (vals * e4m3_decode(scales)[..., None] * g).flatten(-2)
 
 

@@ -69,8 +69,8 @@ def f32(x: float) -> float:
 
 
 def codes_of(data: torch.Tensor) -> torch.Tensor:
-    """Packed bytes [..., D/2] -> codes [..., D] in element order (low nibble = even element)."""
-    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
+    """Packed bytes [..., D/2] -> codes [..., D] in element order."""
+    return R.unpack_codes(data)
 
 
 def halfgap(y: float) -> float:
@@ -357,13 +357,24 @@ def test_low_precision_inputs_quantize_as_their_fp32_value(x, g, dtype):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_nibble_order():
-    """Byte j holds element 2j in its low nibble and element 2j+1 in its high nibble."""
+def test_word_layout():
+    """Word j (little-endian bytes 4j..4j+3) holds elements 8j..8j+7: element e's magnitude
+    code at bits WORD_MAG_BITS[e].. (rotating), its sign at WORD_SIGN_BITS[e]; every bit of a
+    word belongs to exactly one element. Written out by hand for three elements."""
     x = torch.zeros(32)
-    x[0], x[3], x[16] = 6.0, -3.0, 1.0
+    x[0], x[3], x[16], x[13] = 6.0, -3.0, 1.0, -1.0
     data, s = R.quantize(x, 1.0)
-    assert data[0] == 0x07 and data[1] == 0xD0 and data[8] == 0x07
+    # element 0: code 7 (6.0) at bits 9..11; element 3: code 5 (3.0) at 28..30, sign at 23
+    assert data[:4].tolist() == [0x00, 0x0E, 0x80, 0x50]
+    # element 13 (word 1, e = 5): code 2 = 1.0 at bits 31, 0, 1 -> bit 0; sign at bit 5
+    assert data[4:8].tolist() == [0x21, 0x00, 0x00, 0x00]
+    # element 16 (word 2, e = 0): 1.0 / (1/6 scale) = 6 -> code 7 at bits 9..11
+    assert data[8:12].tolist() == [0x00, 0x0E, 0x00, 0x00]
     assert s.tolist() == [brute_e4m3(1.0), brute_e4m3(1 / 6)]
+    bits = [((F.WORD_MAG_BITS[e] + i) % 32) for e in range(8) for i in range(3)]
+    assert sorted(bits + list(F.WORD_SIGN_BITS)) == list(range(32))
+    codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    assert torch.equal(R.unpack_codes(R.pack_codes(codes)), codes)
 
 
 # ---------------------------------------------------------------- page geometry

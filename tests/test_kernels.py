@@ -122,30 +122,34 @@ def assert_rounded_from(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 # ---------------------------------------------------------------- codec device functions
 @triton.jit
-def _codec_probe(x_ptr, byte_ptr, e4m3_ptr, e2m1_ptr, e4m3_dec_ptr, lo_ptr, hi_ptr, words_ptr,
-                 n, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
+def _codec_probe(x_ptr, word_ptr, e4m3_ptr, e2m1_ptr, e4m3_dec_ptr, elems_ptr, asm_ptr,
+                 packed_ptr, n, BLOCK: tl.constexpr, USE_ASM: tl.constexpr):
     i = tl.arange(0, BLOCK)
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
     tl.store(e4m3_ptr + i, codec.e4m3_encode(tl.abs(x)), mask=m)
     tl.store(e2m1_ptr + i, codec.e2m1_encode(x).to(tl.uint8), mask=m)
     j = tl.arange(0, 256)
-    b = tl.load(byte_ptr + j)
-    tl.store(e4m3_dec_ptr + j, codec.e4m3_decode(b))
-    lo, hi = codec.e2m1_unpack_fp16(b)
-    tl.store(lo_ptr + j, lo.to(tl.float32) * codec.E2M1_FP16_FACTOR)
-    tl.store(hi_ptr + j, hi.to(tl.float32) * codec.E2M1_FP16_FACTOR)
-    if USE_ASM:  # the inline-PTX decoder: 64 words = the 256 bytes, 8 elements each
-        w = tl.arange(0, 64)
-        elems = codec.e2m1_word_fp16(tl.load(byte_ptr.to(tl.pointer_type(tl.int32)) + w))
-        for e in tl.static_range(8):
-            tl.store(words_ptr + w * 8 + e, elems[e].to(tl.float32) * codec.E2M1_FP16_FACTOR)
+    tl.store(e4m3_dec_ptr + j, codec.e4m3_decode(j.to(tl.uint8)))
+    w = tl.arange(0, 64)
+    words = tl.load(word_ptr + w)
+    vals = codec.word_values(words, False)                            # [64, 2, 2, 2]
+    tl.store(elems_ptr + tl.reshape(w[:, None] * 8 + tl.arange(0, 8)[None, :], (64, 2, 2, 2)),
+             vals.to(tl.float32) * codec.E2M1_FP16_FACTOR)
+    if USE_ASM:  # the inline-PTX decoder
+        vals = codec.word_values(words, True)
+        tl.store(asm_ptr + tl.reshape(w[:, None] * 8 + tl.arange(0, 8)[None, :], (64, 2, 2, 2)),
+                 vals.to(tl.float32) * codec.E2M1_FP16_FACTOR)
+    # the writer's packing: codes (element order) -> words; every code at every position
+    codes = (tl.arange(0, 32)[:, None] + 5 * tl.arange(0, 8)[None, :]) % 16
+    tl.store(packed_ptr + tl.arange(0, 32), codec.e2m1_pack_words(codes))
 
 
 def test_codec_device_functions(device):
     """Triton's E4M3/E2M1 codecs vs the reference on every E4M3 value, every midpoint between
     neighbours and its fp32 neighbours, every E2M1 threshold and its neighbours, specials, and
-    all 256 bytes for the decoders (the inline-PTX unpack on CUDA)."""
+    random and extreme data words for the decoders (the inline-PTX one on CUDA), and the
+    writer's word packing of every code at every position."""
     e4 = E4M3_FINITE.tolist()
     pts = list(e4) + [(a + b) / 2 for a, b in zip(e4, e4[1:])]
     pts += [v * 2 ** e for v in (1.0, 1.5, 1.75) for e in range(-12, -5)]  # sub/normal edge
@@ -157,23 +161,30 @@ def test_codec_device_functions(device):
     x = torch.cat([x, ths, -ths, torch.tensor([-0.0, math.nan, -math.inf, math.inf])])
     n = x.numel()
     block = triton.next_power_of_2(n)
-    byte = torch.arange(256, dtype=torch.uint8, device=device)
+    gen = torch.Generator().manual_seed(5)
+    words = torch.randint(-2 ** 31, 2 ** 31, (64,), generator=gen, dtype=torch.int64)
+    words[:4] = torch.tensor([0, -1, 2 ** 31 - 1, -2 ** 31])  # every int32 is a valid word
+    words = words.to(torch.int32)
     outs = [torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2)]
-    outs += [torch.empty(256, dtype=torch.float32, device=device) for _ in range(3)]
-    outs += [torch.empty(512, dtype=torch.float32, device=device)]
-    _codec_probe[(1,)](x.to(device), byte, *outs, n, BLOCK=block,
+    outs += [torch.empty(256, dtype=torch.float32, device=device)]
+    outs += [torch.zeros(512, dtype=torch.float32, device=device) for _ in range(2)]
+    outs += [torch.empty(32, dtype=torch.int32, device=device)]
+    _codec_probe[(1,)](x.to(device), words.to(device), *outs, n, BLOCK=block,
                        USE_ASM=device == "cuda", num_warps=4)
-    e4m3, e2m1, e4m3_dec, lo, hi, words = (o.cpu() for o in outs)
+    e4m3, e2m1, e4m3_dec, elems, elems_asm, packed = (o.cpu() for o in outs)
     finite = ~torch.isnan(x)
     assert torch.equal(e4m3[finite], R.e4m3_encode(x.abs()[finite]))
     assert torch.equal(e2m1, R.e2m1_encode(x))
     assert torch.equal(e4m3_dec[:127], R.e4m3_decode(torch.arange(127, dtype=torch.uint8)))
     # documented: the sign bit is ignored and 0x7F (NaN in E4M3) decodes to 480, finite
     assert float(e4m3_dec[127]) == 480.0 and torch.equal(e4m3_dec[128:], e4m3_dec[:128])
-    assert torch.equal(lo, R.e2m1_decode(byte.cpu() & 0xF))
-    assert torch.equal(hi, R.e2m1_decode(byte.cpu() >> 4))
-    if device == "cuda":  # element 2i / 2i+1 = low / high nibble of byte i
-        assert torch.equal(words, torch.stack([lo, hi], dim=1).flatten()), "e2m1_word_fp16"
+    want = R.e2m1_decode(R.unpack_codes(words.view(torch.uint8)))    # little-endian bytes
+    assert torch.equal(elems, want), "e2m1_word_fp16_portable"
+    if device == "cuda":
+        assert torch.equal(elems_asm, want), "e2m1_word_fp16 (PTX)"
+    codes = ((torch.arange(32)[:, None] + 5 * torch.arange(8)[None, :]) % 16).flatten()
+    codes = codes.to(torch.uint8)
+    assert torch.equal(packed.view(torch.uint8), R.pack_codes(codes)), "e2m1_pack_words"
 
 
 # ---------------------------------------------------------------- writer

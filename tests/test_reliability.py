@@ -183,7 +183,7 @@ def test_fuzz_reference_against_independent_oracle():
         for fos in (False, True):
             data, s = R.quantize(xt, gt, four_over_six=fos)
             s, data = s.numpy()[:, 0], data.numpy()
-            code = np.stack((data & 0xF, data >> 4), -1).reshape(-1, 16)
+            code = R.unpack_codes(torch.from_numpy(data)).numpy().reshape(-1, 16)
             ws, wc, amb, near = oracle_quantize(x, g, fos, cands)
             ok = (s == ws) & (code == wc).all(1)
             if fos:  # near-ties: one of the two candidates, nothing else
@@ -441,17 +441,20 @@ def test_bad_numbers_do_not_leak(device):
 def test_exact_byte_offsets_through_vllm_reshape(device):
     """vLLM allocates each layer's KV cache as raw bytes and views it with the backend's
     shape and stride order (vllm.v1.worker.gpu.attn_utils._reshape_attention_kv_cache, run
-    here on a raw buffer). One K element and one V element are written; the four nonzero
+    here on a raw buffer). One K element and one V element are written; the six nonzero
     bytes must sit at the offsets format.py defines, computed here by hand for H=3 KV heads,
     block_size 16, D=64 (page = [K data 1536 | K scales 192 | V data 1536 | V scales 192]):
       slot 37 = block 2, token 5;  page 2 starts at 2 * 3456 = 6912
-      K[head 2, element 10] = -3.0, k_scale 0.5: scale e4m3(3/6/0.5 = 1.0) = 0x38, code -6 = 0xF
-        data  byte (2*16 + 5)*32 + 10//2 = 1189, low nibble (even element)       -> 0x0F
+      K[head 2, element 10] = -3.0, k_scale 0.5: scale e4m3(3/6/0.5 = 1.0) = 0x38, code -6:
+        magnitude 7, sign. Element 10 is element e = 2 of the row's word 1 (pair 1, low half):
+        magnitude at bits 12..14, sign at bit 7: word 0x00007080 at row byte 4, so
+        data  bytes (2*16 + 5)*32 + 4 = 1188 -> 0x80 and 1189 -> 0x70
         scale byte 1536 + (2*16 + 5)*4 + 10//16 = 1684                             -> 0x38
-      V[head 1, element 37] = 12.0, v_scale 2.0: scale 0x38, code +6 = 0x7
-        data  byte 1728 + (1*16 + 5)*32 + 37//2 = 2418, high nibble (odd element) -> 0x70
+      V[head 1, element 37] = 12.0, v_scale 2.0: scale 0x38, code +6 (magnitude 7). Element
+        37 is e = 5 of word 4 (pair 2, high half): magnitude at bits 31, 0, 1: word 0x80000003
+        data  bytes 1728 + (1*16 + 5)*32 + 16 = 2416 -> 0x03 and 2419 -> 0x80
         scale byte 1728 + 1536 + (1*16 + 5)*4 + 37//16 = 3350                      -> 0x38
-    (token-major NHD would put the K byte at (5*3 + 2)*32 + 5 = 549; V scales swizzled for
+    (token-major NHD would put the K word at (5*3 + 2)*32 + 4 = 548; V scales swizzled for
     trtllm-gen would move 3350.) Then the readers: reference and Triton gathers return exactly
     those two values at (token 37, head, element) and zeros elsewhere; Triton decode over
     the 38 tokens gives 12/38 at element 37 for the q heads of KV head 1 only."""
@@ -464,7 +467,8 @@ def test_exact_byte_offsets_through_vllm_reshape(device):
     spec = FullAttentionSpec(n, num_kv_heads=h, head_size=d, dtype=torch.uint8,
                              kv_quant_mode=get_kv_quant_mode("nvfp4"))
     assert spec.page_size_bytes == 3456
-    expect = {6912 + 1189: 0x0F, 6912 + 1684: 0x38, 6912 + 2418: 0x70, 6912 + 3350: 0x38}
+    expect = {6912 + 1188: 0x80, 6912 + 1189: 0x70, 6912 + 1684: 0x38,
+              6912 + 2416: 0x03, 6912 + 2419: 0x80, 6912 + 3350: 0x38}
     key = torch.zeros(1, h, d)
     value = torch.zeros(1, h, d)
     key[0, 2, 10] = -3.0
