@@ -54,12 +54,6 @@ def e4m3_scale_fp16(code):
     return e4m3_decode_fp16(code) * tl.full((), 32768.0, tl.float16)
 
 
-@triton.jit
-def e4m3_scale_fp16(code):
-    """E4M3 scale code (uint8) -> fp16 holding value * 2**7, the row scale of ROW_FACTOR: one
-    fp16 multiply by 2**15, exact (|value| * 2**7 <= 57,344 < fp16's 65,504)."""
-    return e4m3_decode_fp16(code) * tl.full((), 32768.0, tl.float16)
-
 
 @triton.jit
 def e4m3_decode(code):
