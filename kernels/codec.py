@@ -1,10 +1,11 @@
 """Triton device functions that encode and decode the NVFP4 scalars (see format.py).
 
-Hopper has no E2M1 convert instruction, so decoding is bit arithmetic: a nibble's 3-bit code
+Hopper has no E2M1 convert instruction, so decoding is bit arithmetic: a value's 3-bit code
 moved to fp16 bits 9..11 and its sign to bit 15 is exactly ``e2m1_value * 2**-14`` as fp16
 (code 1 lands on an fp16 subnormal, which fp16 arithmetic keeps). An E4M3 byte moved to fp16
 bits 7..14 is ``e4m3_value * 2**-8``. The callers fold those powers of two into one scale.
-Both are exact, branch-free and the same on every GPU and in Triton's interpreter.
+Both are exact, branch-free and the same on every GPU and in Triton's interpreter. The
+page's data words place those bits so that a rotation brings them there (format.py).
 """
 import triton
 import triton.language as tl
@@ -52,7 +53,6 @@ def e4m3_scale_fp16(code):
     """E4M3 scale code (uint8) -> fp16 holding value * 2**7, the row scale of ROW_FACTOR: one
     fp16 multiply by 2**15, exact (|value| * 2**7 <= 57,344 < fp16's 65,504)."""
     return e4m3_decode_fp16(code) * tl.full((), 32768.0, tl.float16)
-
 
 
 @triton.jit

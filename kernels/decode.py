@@ -70,6 +70,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         qk_scale = qk_scale * LOG2E
     m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QG_PAD], tl.float32)
+    l_acc = tl.zeros([QG_PAD, NW, 8], tl.float32)  # MMA_K: l summed within threads
     acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)  # transposed: [D, heads]
     if V_HALVES:
         acc_lo = tl.zeros([G_PAD * 8, QG_PAD], tl.float32)
@@ -99,7 +100,12 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if MMA_K:  # sums within each thread only (rows i = [rep, w, h, r], see load_tile_mma):
+            # the cross-warp reduction of l then runs once, after the loop, not per tile
+            p5 = tl.reshape(p, (QG_PAD, BLOCK_N // (16 * NW), NW, 2, 8))
+            l_acc = l_acc * alpha[:, None, None] + tl.sum(tl.sum(p5, axis=3), axis=1)
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_HALVES:  # half the head dim at a time: half the shared-memory staging of V^T
             v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD // 2,
                                USE_ASM, 0)
@@ -112,6 +118,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
             acc = tl.dot(tl.trans(v), tl.trans(p.to(tl.float16)), acc * alpha[None, :])
         m_i = m_new
 
+    if MMA_K:
+        l_i = tl.sum(tl.sum(l_acc, axis=2), axis=1)
     if V_HALVES:  # [D/2, heads] x 2 -> [D, heads]
         acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (2, 0, 1)),
                          (G_PAD * 16, QG_PAD))
@@ -243,7 +251,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     out [B, Hq, D] and returns it. sliding_window: keys in (pos - window, pos]. sinks: [Hq]
     fp32 sink logits. k_scale / v_scale: 1-element fp32 tensors or floats (global scales).
     num_splits: split-KV count (default from choose_num_splits with max_seq_len).
-    use_asm: the inline-PTX nibble decoder (default on CUDA; False: the portable formula).
+    use_asm: the inline-PTX word decoder (default on CUDA; False: the portable formula).
     mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default
     where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens).
     v_halves (default): P.V in two halves of the head dim, so V^T's shared-memory staging is

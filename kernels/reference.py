@@ -69,28 +69,35 @@ def quantize(x: torch.Tensor, global_scale: float | torch.Tensor, four_over_six:
     return pack_codes(code.flatten(-2)), s.squeeze(-1)
 
 
+def _word_bits(device):
+    """format.py's word layout as int64 tensors [8]: magnitude and sign bit of each element."""
+    return (torch.tensor(WORD_MAG_BITS, dtype=torch.int64, device=device),
+            torch.tensor(WORD_SIGN_BITS, dtype=torch.int64, device=device))
+
+
 def pack_codes(code: torch.Tensor) -> torch.Tensor:
     """4-bit codes [..., D] (element order) -> data bytes [..., D/2] in the word layout of
     format.py (WORD_MAG_BITS, WORD_SIGN_BITS; little-endian words of 8 elements)."""
+    mag_pos, sign_pos = _word_bits(code.device)
     c = code.to(torch.int64).unflatten(-1, (-1, 8))                      # [..., D/8, 8]
-    word = torch.zeros(c.shape[:-1], dtype=torch.int64, device=code.device)
-    for e in range(8):
-        mag, pos = c[..., e] & 7, WORD_MAG_BITS[e]
-        word |= ((mag << pos) | (mag >> (32 - pos))) & 0xFFFFFFFF       # rotate left in 32 bits
-        word |= (c[..., e] >> 3) << WORD_SIGN_BITS[e]
-    data = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1)
+    mag = c & 7
+    bits = ((mag << mag_pos) | (mag >> (32 - mag_pos))) & 0xFFFFFFFF     # rotate left in 32 bits
+    word = (bits | ((c >> 3) << sign_pos)).sum(-1)                       # disjoint bits
+    data = (word[..., None] >> torch.arange(0, 32, 8, device=code.device)) & 0xFF
     return data.flatten(-2).to(torch.uint8)
 
 
 def unpack_codes(data: torch.Tensor) -> torch.Tensor:
-    """Data bytes [..., D/2] -> 4-bit codes [..., D] (uint8, element order)."""
-    b = data.to(torch.int64).unflatten(-1, (-1, 4))
+    """Data bytes [..., D/2] -> 4-bit codes [..., D] (uint8, element order). One int32 pass per
+    element (the CPU backend runs this on every step)."""
+    b = data.to(torch.int32).unflatten(-1, (-1, 4))
     word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
     codes = []
-    for e in range(8):
-        pos = WORD_MAG_BITS[e]
-        mag = ((word >> pos) | (word << (32 - pos))) & 7                 # rotate right
-        codes.append(mag | (((word >> WORD_SIGN_BITS[e]) & 1) << 3))
+    for mag_pos, sign_pos in zip(WORD_MAG_BITS, WORD_SIGN_BITS):
+        mag = word >> mag_pos                       # arithmetic shift: masked below
+        if mag_pos > 29:                            # the magnitude wraps to bit 0
+            mag = (mag & ((1 << (32 - mag_pos)) - 1)) | (word << (32 - mag_pos))
+        codes.append((mag & 7) | (((word >> sign_pos) & 1) << 3))
     return torch.stack(codes, dim=-1).flatten(-2).to(torch.uint8)
 
 
