@@ -297,6 +297,44 @@ def test_online_k_centering_at_the_first_real_batch(rotate_k):
     assert err < 0.25 and abs(err - file_err) < 0.02 and off_err > 0.9
 
 
+def _rotation_case(queries_read_the_outlier_block: bool, seed=0):
+    """K with one large channel (0) and small others; queries that weight either the other
+    channels of that channel's 16-value block (which 4-bit blocks without rotation round to
+    0: the rotation helps) or only the other blocks (which without rotation keep their fine
+    scales, while the rotation spreads the large channel over them: it hurts)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(64, H, D, generator=g)
+    k[:, :, 0] += 40.0
+    q = torch.zeros(1, HQ, D)
+    cols = slice(1, 16) if queries_read_the_outlier_block else slice(16, D)
+    q[:, :, cols] = torch.randn(1, HQ, D, generator=g)[:, :, cols] * 4
+    return k, torch.randn(64, H, D, generator=g), q
+
+
+@pytest.mark.parametrize("helps", [True, False])
+def test_rotation_helps_decides_by_the_score_error(helps):
+    from vllm_nvfp4kv.cache_space import rotation_helps
+    k, _, q = _rotation_case(helps)
+    assert rotation_helps(q, k, 1.0, True) == helps
+
+
+@pytest.mark.parametrize("helps", [True, False])
+def test_rotation_chosen_per_layer_at_the_first_real_batch(helps):
+    """NVFP4KV_ROTATE_K=auto (the default): the warm-up batch leaves the rotation matrix at
+    H; the first real batch's forward decides with its queries, and where the rotation would
+    raise the score error it switches the matrix to I in place and rewrites the batch's K:
+    then the cache holds exactly what NVFP4KV_ROTATE_K=0 writes, and decode gives exactly its
+    output (else exactly NVFP4KV_ROTATE_K=1's)."""
+    k, v, q = _rotation_case(helps)
+    err, impl = _decode_error(k, v, q, None, None, "0", "auto", warm_up=True, with_impl=True)
+    eye = torch.eye(D, dtype=torch.bfloat16)
+    assert impl._pending_rotation is None
+    assert torch.equal(impl.space.k_rot, rotate(eye) if helps else eye)
+    fixed_err = _decode_error(k, v, q, None, None, "0", "1" if helps else "0", with_impl=True)[0]
+    other_err = _decode_error(k, v, q, None, None, "0", "0" if helps else "1", with_impl=True)[0]
+    assert err == fixed_err and err < other_err
+
+
 def test_online_k_centering_is_model_wide_once_a_layer_shows_outliers():
     """auto: a layer without outliers whose first real batch comes after one with them (the
     same model) is centered too; another model is not."""
@@ -414,9 +452,9 @@ def test_k_outlier_channels_warn_once_per_layer():
     assert k_outlier_ratio(key, torch.arange(8)) > 100
     assert k_outlier_ratio(torch.randn(8, H, 64), torch.arange(8)) < 48
     with mock.patch.object(backend.logger, "warning") as warn:
-        impl._first_real_batch(layer, key, padded)
+        impl._first_real_batch(layer, key, key, padded)
         assert not warn.called and not impl._outliers_checked
-        impl._first_real_batch(layer, key, torch.arange(8))
+        impl._first_real_batch(layer, key, key, torch.arange(8))
         assert warn.call_count == 1 and "outlier" in warn.call_args[0][0]
         assert impl._outliers_checked
 

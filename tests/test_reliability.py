@@ -801,7 +801,9 @@ def test_prefix_cache_reuse_of_another_requests_block(device):
     assert torch.equal(own[[2, 4]], a_pages[:2]), "equal K/V must give equal bytes"
     assert torch.equal(out_b, _step(impl, layer, own, tc, [(32, 10)], *dev(qb, kb, vb)))
     # against the reference
-    rot = rotate if impl.space.rotate_k else (lambda x: x)
+    # the rotation the layer chose at its first real batch (NVFP4KV_ROTATE_K=auto): H or I
+    rot = (lambda x: x @ impl.space.k_rot.cpu().float()) if impl.space.k_rot is not None \
+        else rotate if impl.space.rotate_k else (lambda x: x)
     pk, pv = R.gather_cache(cache.cpu(), tb.cpu(), torch.tensor([0, 32]),
                             torch.zeros(1, dtype=torch.int32), d, 0.7, 1.3)
     exp = R.attention(rot(qb.float()), torch.cat([pk, rot(kb.float())]),

@@ -24,7 +24,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, write_cache
 from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
-from vllm_nvfp4kv.cache_space import CacheSpace
+from vllm_nvfp4kv.cache_space import CacheSpace, rotation_helps
 from vllm_nvfp4kv.calibration import (k_mid_range, k_transform, log_once, prepare_write,
                                       settings as calibration_settings)
 from vllm_nvfp4kv.scales import K_OUTLIER_RATIO, check_scales, global_scales, k_outlier_ratio
@@ -38,8 +38,12 @@ def options() -> dict:
     Accuracy (README "Accuracy options"; defaults chosen by evals/fidelity.py --variants):
     NVFP4KV_FOUR_OVER_SIX (default 1): per block, the scale mapping amax to 4 or 6, whichever
       has the smaller squared error. Same page format; only the writer changes.
-    NVFP4KV_ROTATE_K (default auto = on for power-of-two head sizes, off for layers with K
-      smoothing): Hadamard-rotate K, and Q with it so q.k is unchanged, before caching.
+    NVFP4KV_ROTATE_K (default auto): Hadamard-rotate K, and Q with it so q.k is unchanged,
+      before caching (power-of-two head sizes). auto: each layer decides at its first real
+      batch, keeping the rotation where it lowers that batch's q.k error through the cache
+      (cache_space.rotation_helps; its K is rewritten unrotated otherwise); off for layers
+      with K smoothing, on for all layers under NVFP4KV_CALIBRATE=online/collect. 1: every
+      layer; 0: none.
     NVFP4KV_ROTATE_V (default 0): also rotate V, and rotate the attention output back.
     NVFP4KV_CENTER_K (default auto): K centering without a scales file: once a layer's first
       real batch shows K outlier channels (scales.K_OUTLIER_RATIO), that layer and every
@@ -295,6 +299,9 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         self.rotate_k_option = opts["rotate_k"]
         self.center_k_option = opts["center_k"]
         self._online_center = False  # k_sub reserved (zeros), set at the first real batch
+        # rotate_k=auto: K's rotation chosen at the first real batch (forward sees its queries)
+        self._choose_rotation = opts["rotate_k"] == "auto" and pow2
+        self._pending_rotation = None  # that batch's (key, value, slots), update -> forward
         # what the cache stores; K centering/smoothing join at the layer's first eager write
         self.space = CacheSpace(rotate_k=opts["rotate_k"] == "1" or (
             opts["rotate_k"] == "auto" and pow2), rotate_v=opts["rotate_v"])
@@ -333,7 +340,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             else:  # captured before any eager write: the space stays as the graphs saw it
                 self._space_ready = True
         if eager and not self._outliers_checked:
-            self._first_real_batch(layer, key, slot_mapping)
+            self._first_real_batch(layer, key, value, slot_mapping)
         value = self.space.value(value)
         if not self._fused_k:  # else K - mu and its rotation happen in the writer
             key = self.space.key(key)
@@ -384,12 +391,17 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if s is not None:
             self.space.set_smoothing(s, self.num_heads, key.dtype)
         cal = calibration_settings()
+        # online calibration sets the global scales from the rotated K: the rotation stays
+        self._choose_rotation &= self.space.rotate_k and not (cal["online"] or cal["collect"])
+        if self._choose_rotation:
+            self.space.reserve_rotation_choice(self.head_size, key.device, key.dtype)
         self._fused_k = (self.fuse_transforms_option and key.is_cuda and self.space.k_mul is None
+                         and self.space.k_rot is None  # the writer's rotation is fixed
                          and (self.space.k_sub is not None or self.space.rotate_k)
                          and self.head_size & (self.head_size - 1) == 0  # whole-row loads
                          and not (cal["online"] or cal["collect"]))
 
-    def _first_real_batch(self, layer, key, slot_mapping) -> None:
+    def _first_real_batch(self, layer, key, value, slot_mapping) -> None:
         """Once per layer, at its first batch of real tokens (eager: warm-up and capture
         batches have every slot -1): online K centering where it is on and K (smoothed and
         centered by a file, where it is) has outlier channels that 4-bit blocks of 16 cannot
@@ -410,6 +422,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             log_once("center", "NVFP4 KV cache: K centering from the first real batch "
                      "(NVFP4KV_CENTER_K=%s), e.g. layer %s: K outlier ratio %.0f -> %.0f",
                      self.center_k_option, name, before, ratio)
+        if self._choose_rotation:  # decided in forward, with this batch's queries
+            self._pending_rotation = (key, value, slot_mapping)
         if ratio > K_OUTLIER_RATIO:
             logger.warning(
                 "NVFP4 KV cache: layer %s has K outlier channels (max/median channel amax "
@@ -434,6 +448,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         md = attn_metadata
         n = md.num_actual_tokens
         q = query[:n].view(-1, self.num_heads, self.head_size)
+        if self._pending_rotation is not None:
+            self._decide_rotation(layer, q, kv_cache)
         out = output[:n].view(-1, self.num_heads, self.head_size)
         k_scale, v_scale = global_scales(layer)
         nd = md.num_decode_tokens
@@ -459,6 +475,30 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                         k_scale, v_scale, self.scale, self.window, self.softcap, self.sinks,
                         self.fa_version, self.space)
         return output
+
+    def _decide_rotation(self, layer, q, kv_cache) -> None:
+        """At the layer's first real batch (its update stashed key, value, slots): keep K's
+        rotation where it lowers the batch's q.k error through the cache; else switch to the
+        identity in place (the matrix CUDA graphs hold) and rewrite the batch's K/V, which
+        are all this layer's cache holds so far, before attention reads them."""
+        key, value, slots = self._pending_rotation
+        self._pending_rotation = None
+        k_scale, v_scale = global_scales(layer)
+        real = slots >= 0
+        on = rotation_helps(q, self.space.unrotated_key(key[:slots.shape[0]][real]), k_scale,
+                            self.four_over_six)
+        name = getattr(layer, "layer_name", "?")
+        logger.debug("NVFP4 KV cache: layer %s %s the rotation of K", name,
+                     "keeps" if on else "drops")
+        if on:
+            return
+        log_once("rotation", "NVFP4 KV cache: K rotation chosen per layer from the first real "
+                 "batch (NVFP4KV_ROTATE_K=auto); e.g. layer %s: off (it raised the q.k error)",
+                 name)
+        self.space.choose_rotation(False)
+        write = write_cache if kv_cache.is_cuda else reference.write_cache
+        write(kv_cache, self.space.key(key), self.space.value(value), slots, k_scale, v_scale,
+              self.four_over_six)
 
     def _decode(self, q, kv_cache, md, out, k_scale, v_scale):
         b = md.num_decodes

@@ -13,14 +13,20 @@ output cannot see:
   every query that reads the cache is multiplied by s, so q.k is unchanged while outlier
   channels no longer own their 16-value blocks. Powers of two: both products exact in BF16.
 * Hadamard rotation of K (``NVFP4KV_ROTATE_K``): K (after centering) and those queries
-  rotated alike. Not with smoothing: rotating smoothed keys undoes the smoothing.
+  rotated alike. Not with smoothing: rotating smoothed keys undoes the smoothing. By default
+  (``auto``) each layer keeps it or not from its first real batch, whichever gives the
+  smaller error of that batch's scores q.k through the 4-bit cache (``rotation_helps``):
+  the rotation spreads a key's outlier channels over all blocks, which helps where those
+  channels carry little of the queries' weight and hurts where they carry much (README,
+  Gemma 3).
 * Hadamard rotation of V (``NVFP4KV_ROTATE_V``): attention over rotated V gives the output
   rotated; H is its own inverse, so rotating the output again undoes it.
 
 Every key of one softmax must be in the same space: the chunk's own exact keys join a cached
 prefix transformed like it. Rows that attend only the step's exact K/V (an initial prefill)
 need none of this. Plain torch: elementwise ops and one matmul, captured by CUDA graphs (the
-tensors exist from the layer's first eager write; online centering fills k_sub in place).
+tensors exist from the layer's first eager write; online centering fills k_sub in place, the
+per-layer rotation choice k_rot).
 """
 from __future__ import annotations
 
@@ -28,13 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_nvfp4kv.kernels.rotation import rotate
+from vllm_nvfp4kv.kernels import reference
+from vllm_nvfp4kv.kernels.rotation import hadamard, rotate
 
 
 @dataclass
 class CacheSpace:
     rotate_k: bool = False
     rotate_v: bool = False
+    k_rot: torch.Tensor | None = None  # [D, D] H or I: rotate_k chosen per layer (choose_rotation)
     k_sub: torch.Tensor | None = None  # [Hkv, D] mu: K is cached as (K - mu) * k_mul
     k_mul: torch.Tensor | None = None  # [Hkv, D] 1 / s
     q_mul: torch.Tensor | None = None  # [Hq, D] s of each query head's KV head
@@ -48,6 +56,21 @@ class CacheSpace:
         self.k_mul = (1.0 / s).to(dtype)
         self.q_mul = s.repeat_interleave(num_heads // s.shape[0], 0).to(dtype)
 
+    def reserve_rotation_choice(self, d: int, device, dtype: torch.dtype) -> None:
+        """A matrix the key and query rotations multiply by, H until choose_rotation (reserved
+        before any CUDA graph captures the products)."""
+        self.k_rot = hadamard(d, str(device), dtype).clone()
+
+    def choose_rotation(self, on: bool) -> None:
+        self.k_rot.copy_(hadamard(self.k_rot.shape[0], str(self.k_rot.device), self.k_rot.dtype)
+                         if on else torch.eye(self.k_rot.shape[0], dtype=self.k_rot.dtype,
+                                              device=self.k_rot.device))
+
+    def _rotate_k(self, x: torch.Tensor) -> torch.Tensor:
+        if self.k_rot is not None:
+            return x @ self.k_rot
+        return rotate(x) if self.rotate_k else x
+
     def unrotated_key(self, k: torch.Tensor) -> torch.Tensor:
         """[T, Hkv, D] centered and smoothed (what the outlier check looks at)."""
         k = k if self.k_sub is None else k - self.k_sub
@@ -55,14 +78,13 @@ class CacheSpace:
 
     def key(self, k: torch.Tensor) -> torch.Tensor:
         """[T, Hkv, D] as the model computes it -> as the cache stores it."""
-        k = self.unrotated_key(k)
-        return rotate(k) if self.rotate_k else k
+        return self._rotate_k(self.unrotated_key(k))
 
     def query(self, q: torch.Tensor) -> torch.Tensor:
         """[T, Hq, D] -> the query whose scores against cached keys are the model's (up to a
         per-query constant where K is centered)."""
         q = q if self.q_mul is None else q * self.q_mul
-        return rotate(q) if self.rotate_k else q
+        return self._rotate_k(q)
 
     def value(self, v: torch.Tensor) -> torch.Tensor:
         return rotate(v) if self.rotate_v else v
@@ -70,3 +92,24 @@ class CacheSpace:
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """Attention output over cached values -> the model's (H is its own inverse)."""
         return rotate(o) if self.rotate_v else o
+
+
+def rotation_helps(q: torch.Tensor, k: torch.Tensor, k_scale, four_over_six: bool,
+                   max_tokens: int = 256) -> bool:
+    """Whether rotating K (and q) lowers the squared error of the scores q.k that the 4-bit
+    cache causes, for queries q [T, Hq, D] and keys k [T, Hkv, D] (unrotated cache space) of
+    one batch (every query against every key of its head group, up to max_tokens of each,
+    evenly spaced). K-space error alone does not decide it: on Gemma 3 the rotation lowers
+    K's error in 14 of 18 layers but raises the score error 1.3-9.6x in 8 (README)."""
+    def spaced(x):  # integer arithmetic: vLLM may set a BF16 default dtype
+        m = min(max_tokens, x.shape[0])
+        return x[torch.arange(m, device=x.device) * (x.shape[0] - 1) // max(m - 1, 1)].float()
+    q, k = spaced(q), spaced(k)
+    group = q.shape[1] // k.shape[1]
+    err = []
+    for rot in (False, True):
+        x, qx = (rotate(k), rotate(q)) if rot else (k, q)
+        data, s = reference.quantize(x, k_scale, four_over_six)
+        e = (reference.dequantize(data, s, k_scale) - x).repeat_interleave(group, 1)
+        err.append(torch.einsum("thd,shd->hts", qx, e).pow(2).sum())
+    return bool(err[1] < err[0])
