@@ -208,9 +208,9 @@ def main():
 
 
 def plot_panels(files: list[Path]) -> dict[str, list[tuple[str, float]]]:
-    """(model, device) panel -> [(row label, KL vs BF16)], in file and row order. Rows of a
-    plain run are named by dtype only: their options are the file's environment (or the
-    defaults of its date); in an options sweep a plain nvfp4 row is the one without options."""
+    """(model, device) panel -> [(row label, KL vs BF16)], in file and row order. An nvfp4 row
+    of a plain run is named by the file's environment (or the defaults of its date) and the
+    file; in an options sweep a plain nvfp4 row is the one without options."""
     panels: dict[str, list[tuple[str, float]]] = {}
     for f in files:
         res = json.loads(f.read_text())
@@ -224,9 +224,10 @@ def plot_panels(files: list[Path]) -> dict[str, list[tuple[str, float]]]:
             label = r["kv_dtype"]
             if label == "fp8":
                 label = "fp8 (scale 1)"
-            elif label == "nvfp4":
+            elif label == "nvfp4":  # a plain run: its options, and its file (which run)
                 label = ("nvfp4 (no option)" if sweep else
-                         f"nvfp4 ({env or 'the defaults of ' + res['date'][:10]})")
+                         f"nvfp4 ({env or 'the defaults of ' + res['date'][:10]}; "
+                         f"{f.stem.replace('fidelity_', '')})")
             panels.setdefault(key, []).append((label, r["kl"]))
     return panels
 
@@ -260,7 +261,7 @@ def plot(png: Path, files: list[Path]) -> None:
     axes[-1, 0].set_xlabel("next-token KL(BF16 || KV cache) per token, context read from the "
                            "cache (lower is better)")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=110, bbox_inches="tight")  # long row labels
     print(f"-> {png}")
 
 

@@ -134,7 +134,7 @@ def test_fidelity_plot_panels_by_model_and_device(tmp_path):
     assert panels["smollm2 (CPU)"] == [("auto", 0.0), ("nvfp4 (no option)", 0.02),
                                        ("nvfp4 + 4over6", 0.01)]
     (label, kl), (fp8, nan) = panels["smollm2 (NVIDIA H200)"]
-    assert (label, kl) == ("nvfp4 (the defaults of 2026-12-04)", 0.03)
+    assert (label, kl) == ("nvfp4 (the defaults of 2026-12-04; b)", 0.03)
     assert fp8 == "fp8 (scale 1)" and nan != nan
     fidelity.plot(tmp_path / "f.png", files)
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
