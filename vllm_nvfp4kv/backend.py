@@ -59,7 +59,8 @@ def options() -> dict:
       inside the cache writer (kernels.write_cache k_sub / rotate_k) instead of two torch ops
       per layer and step; the same cache bytes (tests/test_kernels.py). Off until timed and
       tested on a GPU. Not with K smoothing or NVFP4KV_CALIBRATE=online/collect (they read
-      the transformed K), nor for head sizes that are not a power of two.
+      the transformed K), nor for head sizes that are not a power of two, nor with
+      NVFP4KV_ROTATE_K=auto (the per-layer choice; set 1 or 0 to fuse).
     NVFP4KV_DECODE_VARIANT (default "default"): the decode kernel's launch variant
       (kernels.decode.DECODE_VARIANTS: full-width P.V, Q.K^T in head-dim halves, capped
       registers), for serving A/Bs; the default was the fastest on the H200."""
