@@ -94,22 +94,31 @@ class CacheSpace:
         return rotate(o) if self.rotate_v else o
 
 
-def rotation_helps(q: torch.Tensor, k: torch.Tensor, k_scale, four_over_six: bool,
-                   max_tokens: int = 256) -> bool:
-    """Whether rotating K (and q) lowers the squared error of the scores q.k that the 4-bit
-    cache causes, for queries q [T, Hq, D] and keys k [T, Hkv, D] (unrotated cache space) of
-    one batch (every query against every key of its head group, up to max_tokens of each,
-    evenly spaced). K-space error alone does not decide it: on Gemma 3 the rotation lowers
-    K's error in 14 of 18 layers but raises the score error 1.3-9.6x in 8 (README)."""
+def rotation_errors(q: torch.Tensor, k: torch.Tensor, k_scale, four_over_six: bool,
+                    max_tokens: int = 256) -> dict:
+    """Squared errors the 4-bit cache causes, without and with K's rotation (q rotated alike):
+    of the keys (k_plain, k_rot) and of the scores q.k (score_plain, score_rot), for queries
+    q [T, Hq, D] and keys k [T, Hkv, D] (unrotated cache space) of one batch: every query
+    against every key of its head group, up to max_tokens of each, evenly spaced."""
     def spaced(x):  # integer arithmetic: vLLM may set a BF16 default dtype
         m = min(max_tokens, x.shape[0])
         return x[torch.arange(m, device=x.device) * (x.shape[0] - 1) // max(m - 1, 1)].float()
     q, k = spaced(q), spaced(k)
     group = q.shape[1] // k.shape[1]
-    err = []
-    for rot in (False, True):
-        x, qx = (rotate(k), rotate(q)) if rot else (k, q)
+    out = {}
+    for tag, (x, qx) in (("plain", (k, q)), ("rot", (rotate(k), rotate(q)))):
         data, s = reference.quantize(x, k_scale, four_over_six)
-        e = (reference.dequantize(data, s, k_scale) - x).repeat_interleave(group, 1)
-        err.append(torch.einsum("thd,shd->hts", qx, e).pow(2).sum())
-    return bool(err[1] < err[0])
+        e = reference.dequantize(data, s, k_scale) - x
+        out[f"k_{tag}"] = float(e.pow(2).sum())
+        out[f"score_{tag}"] = float(torch.einsum("thd,shd->hts", qx, e.repeat_interleave(
+            group, 1)).pow(2).sum())
+    return out
+
+
+def rotation_helps(q: torch.Tensor, k: torch.Tensor, k_scale, four_over_six: bool) -> bool:
+    """Whether rotating K (and q) lowers the error of one batch's scores q.k through the 4-bit
+    cache (rotation_errors). K's own error does not decide it: on Gemma 3 the rotation lowers
+    K's error in 14 of 18 layers but raises the score error in 6, up to 10x
+    (evals/rotation_probe.py, README)."""
+    err = rotation_errors(q, k, k_scale, four_over_six)
+    return err["score_rot"] < err["score_plain"]
