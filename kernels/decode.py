@@ -92,14 +92,19 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         else:
             k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
             st = tl.dot(k, tl.trans(q))
-        s = tl.trans(st) * qk_scale  # K as the register (A) operand
+        s = tl.trans(st)  # K as the register (A) operand
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh via exp2
+            s = s * qk_scale
             e = tl.exp2(s * (2.0 * LOG2E / softcap))
             s = softcap * (1.0 - 2.0 / (e + 1.0)) * LOG2E
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+        else:  # scaled inside exp2's argument (one FFMA) and on the row maxima only
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
         if MMA_K:  # sums within each thread only (rows i = [rep, w, h, r], see load_tile_mma):
             # the cross-warp reduction of l then runs once, after the loop, not per tile
             p5 = tl.reshape(p, (QG_PAD, BLOCK_N // (16 * NW), NW, 2, 8))
