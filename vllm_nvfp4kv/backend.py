@@ -442,6 +442,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("NVFP4 KV backend: fused output quantization")
         if attn_metadata is None:  # profiling run: make the workspace count in the budget
+            self._pending_rotation = None  # no queries to decide with: the rotation stays
             if self.ws_capacity:
                 workspace_views(self.ws_capacity, self.num_kv_heads, self.head_size,
                                 workspace_dtype(query.dtype), query.device)
