@@ -93,17 +93,14 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
             k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
             st = tl.dot(k, tl.trans(q))
         s = tl.trans(st)  # K as the register (A) operand
+        s_scale = qk_scale  # > 0: applied inside exp2's argument (an FFMA) and to the maxima
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh via exp2
-            s = s * qk_scale
-            e = tl.exp2(s * (2.0 * LOG2E / softcap))
+            e = tl.exp2(s * (qk_scale * 2.0 * LOG2E / softcap))
             s = softcap * (1.0 - 2.0 / (e + 1.0)) * LOG2E
-            s = tl.where(tmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-        else:  # scaled inside exp2's argument (one FFMA) and on the row maxima only
-            s = tl.where(tmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
+            s_scale = 1.0
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * s_scale)
+        p = tl.exp2(s * s_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         if MMA_K:  # sums within each thread only (rows i = [rep, w, h, r], see load_tile_mma):
             # the cross-warp reduction of l then runs once, after the loop, not per tile
@@ -111,16 +108,17 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
             l_acc = l_acc * alpha[:, None, None] + tl.sum(tl.sum(p5, axis=3), axis=1)
         else:
             l_i = l_i * alpha + tl.sum(p, axis=1)
+        pt = tl.trans(p.to(tl.float16))
         if V_HALVES:  # half the head dim at a time: half the shared-memory staging of V^T
             v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD // 2,
                                USE_ASM, 0)
-            acc_lo = tl.dot(tl.trans(v), tl.trans(p.to(tl.float16)), acc_lo * alpha[None, :])
+            acc_lo = tl.dot(tl.trans(v), pt, acc_lo * alpha[None, :])
             v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD // 2,
                                USE_ASM, G_PAD // 2)
-            acc_hi = tl.dot(tl.trans(v), tl.trans(p.to(tl.float16)), acc_hi * alpha[None, :])
+            acc_hi = tl.dot(tl.trans(v), pt, acc_hi * alpha[None, :])
         else:
             v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD, USE_ASM)
-            acc = tl.dot(tl.trans(v), tl.trans(p.to(tl.float16)), acc * alpha[None, :])
+            acc = tl.dot(tl.trans(v), pt, acc * alpha[None, :])
         m_i = m_new
 
     if MMA_K:
@@ -207,8 +205,9 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
 
 # Launch variants that fit more programs per SM (README, "What bounds it"): A/B'd by
 # evals/bench_decode.py --ab, chosen in the backend by NVFP4KV_DECODE_VARIANT.
-# The default (P.V in head-dim halves) was 2-4% faster than the full-width P.V ("full_v") on
-# the H200 (2026-12-04, decode_ab_h200.json); the register-capped variants were 15-30% slower.
+# The default (P.V in head-dim halves) was 3-5% faster than the full-width P.V ("full_v") on
+# the H200 (2026-12-04, decode_ab_h200_variants.json); the register-capped variants 7-28%
+# slower.
 DECODE_VARIANTS = {
     "default": {},
     "full_v": dict(v_halves=False),
@@ -260,10 +259,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default
     where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens).
     v_halves (default): P.V in two halves of the head dim, so V^T's shared-memory staging is
-    half as large (2-4% faster than the full width on the H200); k_halves (where mma_k
+    half as large (3-5% faster than the full width on the H200); k_halves (where mma_k
     applies): K decoded and multiplied in two halves of the head dim, so half the decoded tile
     is live; maxnreg: a cap on registers per thread (ptxas spills the rest). With both, 4-5
-    programs fit per SM instead of 3, but they ran 15-30% slower (README, "What bounds it");
+    programs fit per SM instead of 3, but they ran 7-28% slower (README, "What bounds it");
     kept as A/B variants (evals/bench_decode.py --ab)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape

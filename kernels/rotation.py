@@ -41,8 +41,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 def fwht(x, D: tl.constexpr, LOG2_D: tl.constexpr):
     """Triton: [R, D] fp32 -> the Walsh-Hadamard transform of each row (Sylvester order,
     unnormalised: y_k = sum_j x_j (-1)^popcount(j & k), so rotate(x) = fwht(x) * H[0, 0]), one
-    butterfly stage per index bit. It commutes with any permutation of the index bits applied
-    to x and y alike (a row may be held in a bit-permuted order)."""
+    butterfly stage per index bit."""
     R: tl.constexpr = x.shape[0]
     for i in tl.static_range(LOG2_D):
         y = tl.permute(tl.reshape(x, (R, D // (2 << i), 2, 1 << i)), (0, 1, 3, 2))

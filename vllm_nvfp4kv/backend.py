@@ -487,7 +487,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         self._pending_rotation = None
         k_scale, v_scale = global_scales(layer)
         real = slots >= 0
-        on = rotation_helps(q, self.space.unrotated_key(key[:slots.shape[0]][real]), k_scale,
+        on = rotation_helps(q, self.space.unrotated_key(key[real]), k_scale,
                             self.four_over_six)
         name = getattr(layer, "layer_name", "?")
         logger.debug("NVFP4 KV cache: layer %s %s the rotation of K", name,
