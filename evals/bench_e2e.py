@@ -9,7 +9,7 @@ Prefill workspace, BF16 vs FP8 (`NVFP4KV_WORKSPACE_DTYPE`): with a small token b
 chunk after the first attends over the cached prefix through the workspace, so the prefill
 time of long prompts measures the gather + attention path of each workspace dtype:
 
-    python evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws --inputs 32768 \
+    python evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws --inputs 32768 \\
         --max-num-batched-tokens 2048 --output-tokens 2 --requests 8
 
 What the accuracy options cost (each variant a fresh engine process; "+" joins options):

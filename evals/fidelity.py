@@ -12,9 +12,9 @@ little mass (its mean is reported as ref_rest_mass). Deterministic (greedy scori
 data order).
 
     python evals/fidelity.py --out evals/results/fidelity_smollm2_cpu.json
-    python evals/fidelity.py --model gemma --texts 16 --chunk 64 --block-size 32 \
+    python evals/fidelity.py --model gemma --texts 16 --chunk 64 --block-size 32 \\
         --out evals/results/fidelity_gemma3_270m_cpu.json             # Gemma 3 270M
-    python evals/fidelity.py --variants calibration --texts 48 \
+    python evals/fidelity.py --variants calibration --texts 48 \\
         --out evals/results/fidelity_calibration_smollm2_cpu.json     # CPU or GPU
     python evals/fidelity.py --plot evals/results/fidelity.png FILE...  # KL of recorded runs
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -145,6 +145,10 @@ case "${1:?stage}" in
                 | grep -E "^\||rror" ;;
   fidelity) timeout 560 python3 evals/fidelity.py --texts 96 --chunk 64 --dtypes auto fp8 nvfp4 \
                 --out "$OUT/fidelity_smollm2_h200.json" 2>&1 | grep "^|" ;;
+  # the larger model on the GPU engine (after stage qwen), with FP8 (NaN on vLLM's CPU engine)
+  fidelity-qwen) timeout 560 python3 evals/fidelity.py --model qwen --texts 48 --chunk 64 \
+                --dtypes auto fp8 nvfp4 --out "$OUT/fidelity_qwen2.5_coder_1.5b_h200.json" \
+                2>&1 | grep "^|" ;;
   profile)  st=smsp__average_warps_issue_stalled; m=""
             for r in barrier long_scoreboard short_scoreboard wait mio_throttle lg_throttle \
                 math_pipe_throttle not_selected dispatch_stall no_instruction membar \

@@ -35,14 +35,14 @@ on a CPU machine `--offload on` rows record that refusal.
     # GPU (Llama-3-8B shape, dummy weights, histories up to 32K tokens; ~7-8 min per call on
     # an H200 with two servers), then join the two on any machine (the workload is rebuilt
     # bit for bit by --workload-only --sizes gpu; its sha256 is in the JSON):
-    python evals/multiturn.py --dtypes fp8 nvfp4 --offload off --budget-s 430 \
+    python evals/multiturn.py --dtypes fp8 nvfp4 --offload off --budget-s 430 \\
         --workload /tmp/multiturn_h200.workload.jsonl --out evals/results/multiturn_h200_off.json
-    python evals/multiturn.py --dtypes fp8 nvfp4 --offload on --budget-s 430 \
+    python evals/multiturn.py --dtypes fp8 nvfp4 --offload on --budget-s 430 \\
         --workload /tmp/multiturn_h200.workload.jsonl --out evals/results/multiturn_h200_on.json
-    python evals/multiturn.py --combine evals/results/multiturn_h200_{off,on}.json \
+    python evals/multiturn.py --combine evals/results/multiturn_h200_{off,on}.json \\
         --out evals/results/multiturn_h200.json
     # CPU (SmolLM2-135M, tiny sizes; offload on only records vLLM's refusal):
-    python evals/multiturn.py --dtypes auto nvfp4 --offload off on \
+    python evals/multiturn.py --dtypes auto nvfp4 --offload off on \\
         --out evals/results/multiturn_cpu.json
     # the workload only (--sizes gpu: the GPU run's, bit for bit) / plot an existing result:
     python evals/multiturn.py --workload-only --sizes gpu --out /tmp/mt.json
