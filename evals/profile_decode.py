@@ -11,7 +11,7 @@ Without a GPU, `--sass-only` compiles the kernel for sm_90 with Triton's own ptx
 just that mix (the number the kernel's design is judged by before any GPU time):
 
     python evals/profile_decode.py --sass-only [--block-n 128 --warps 4 --stages 2]
-        [--full-v] [--k-halves] [--maxnreg 128]
+        [--full-v] [--maxnreg 128]
 """
 from __future__ import annotations
 
@@ -61,15 +61,13 @@ def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -
 
 
 def compile_sm90(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 128,
-                 mma_k: bool = True, v_halves: bool = True, k_halves: bool = False,
-                 maxnreg: int | None = None):
+                 mma_k: bool = True, v_halves: bool = True, maxnreg: int | None = None):
     """The decode kernel as the launcher specialises it (Llama-3-8B heads, page 16), compiled
     ahead of time for sm_90: no GPU needed."""
     from vllm_nvfp4kv.kernels import aot
     fn, sig, _, _ = aot.specs()["decode"]
     return aot.compile_kernel(fn, sig, aot.decode_constexprs(block_n, warps, qpk, d, mma_k,
-                                                             v_halves=v_halves,
-                                                             k_halves=k_halves),
+                                                             v_halves=v_halves),
                               90, warps, stages, maxnreg)
 
 
@@ -98,13 +96,11 @@ def main():
                     "layout before codec.load_tile_mma)")
     ap.add_argument("--full-v", action="store_true", help="P.V over the whole head dim (the "
                     "default kernel runs it in halves)")
-    ap.add_argument("--k-halves", action="store_true", help="Q.K^T in head-dim halves")
     ap.add_argument("--maxnreg", type=int, help="cap on registers per thread")
     args = ap.parse_args()
     if args.sass_only:
         kernel = compile_sm90(args.block_n, args.warps, args.stages, mma_k=not args.no_mma_k,
-                              v_halves=not args.full_v, k_halves=args.k_halves,
-                              maxnreg=args.maxnreg)
+                              v_halves=not args.full_v, maxnreg=args.maxnreg)
         print(resources(kernel))
         print(loop_mix(kernel, args.block_n, args.warps))
         return

@@ -16,15 +16,14 @@ DIV16 = ("page_stride", "stride_qt", "stride_ot", "stride_bt", "stride_kt", "str
 
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
                       mma_k: bool = True, features: bool = False,
-                      v_halves: bool = True, k_halves: bool = False) -> dict:
+                      v_halves: bool = True) -> dict:
     """The decode kernel's constexprs as decode_attention sets them (Llama-3-8B heads, page
     16, several splits); features: softcap, sliding window and sinks on."""
     return dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
                 G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, SPLIT=True,
                 USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
                 MMA_K=mma_k and mma_k_applies(d, warps, block_n),
-                NW=warps, V_HALVES=v_halves,
-                K_HALVES=k_halves and mma_k and mma_k_applies(d, warps, block_n))
+                NW=warps, V_HALVES=v_halves)
 
 
 def specs() -> dict:
@@ -62,8 +61,6 @@ def specs() -> dict:
         "decode-8warps": (decode._decode_kernel, decode_sig, decode_constexprs(warps=8), 8),
         "decode-full-v": (decode._decode_kernel, decode_sig,
                           decode_constexprs(features=True, v_halves=False), 4),
-        "decode-kv-halves": (decode._decode_kernel, decode_sig,
-                             decode_constexprs(k_halves=True), 4),
         "reduce": (decode._reduce_kernel,
                    dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32",
                         out_ptr="*bf16", stride_ot="i32", stride_oh="i32", num_splits="i32"),

@@ -202,38 +202,16 @@ def mma_col_to_d(k):
 
 @triton.jit
 def _words_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
-               N: tl.constexpr, J0: tl.constexpr, NJ: tl.constexpr):
-    """(the side's base pointers, the int32 words 4 c + J0 .. 4 c + J0 + NJ - 1 of each row
-    [REP, 2, W, 8] and lane quarter c: [REP, 2, W, 8, c, j]) of a D = 128 tile."""
+               N: tl.constexpr):
+    """(the side's base pointers, the int32 words 4 c + j of each row [REP, 2, W, 8] and lane
+    quarter c: [REP, 2, W, 8, c, j]) of a D = 128 tile."""
     D: tl.constexpr = 128
     side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + D // 16))
-    word = (tl.arange(0, 4)[:, None] * 4 + J0 + tl.arange(0, NJ)[None, :])
+    word = tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
     words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, :, :, :, None, None]
                     + word[None, None, None, None, :, :], mask=tmask[:, :, :, :, None, None],
                     other=0)
     return side, words
-
-
-@triton.jit
-def load_half_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
-                  N: tl.constexpr, USE_ASM: tl.constexpr, HALF: tl.constexpr):
-    """load_tile_mma's columns 64 HALF .. 64 HALF + 63 (words j = 2 HALF, 2 HALF + 1 of each
-    lane quarter c): [16 W REP, 64], column k = 32 j0 + 16 e2 + 8 e1 + 4 c1 + 2 c0 + e0."""
-    D: tl.constexpr = 128
-    G: tl.constexpr = 8
-    REP: tl.constexpr = row.shape[0]
-    W: tl.constexpr = row.shape[2]
-    side, words = _words_mma(cache_ptr, page_off, row, SIDE, tmask, H, N, 2 * HALF, 2)
-    g = (2 * tl.arange(0, 4) + HALF)[None, None, None, None, :]    # group 2 c + j1
-    sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
-                 mask=tmask[:, :, :, :, None], other=0)             # [REP, 2, W, 8, c]
-    s16 = e4m3_scale_fp16(sc)
-    vals = word_values(words, USE_ASM)                             # [.., c, j0, e2, e1, e0]
-    vals = vals * s16[:, :, :, :, :, None, None, None, None]
-    vals = tl.reshape(vals, (REP, 2, W, 8, 2, 2, 2, 2, 2, 2))        # c -> c1, c0
-    # dims: rep h w r c1 c0 j0 e2 e1 e0 -> rows (rep w h r), columns (j0 e2 e1 c1 c0 e0)
-    vals = tl.permute(vals, (0, 2, 1, 3, 6, 7, 8, 4, 5, 9))
-    return tl.reshape(vals, (REP * W * 16, D // 2))
 
 
 @triton.jit
@@ -250,7 +228,7 @@ def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
     G: tl.constexpr = 8
     REP: tl.constexpr = row.shape[0]
     W: tl.constexpr = row.shape[2]
-    side, words = _words_mma(cache_ptr, page_off, row, SIDE, tmask, H, N, 0, 4)
+    side, words = _words_mma(cache_ptr, page_off, row, SIDE, tmask, H, N)
     g = tl.arange(0, G)[None, None, None, None, :]   # a row's 8 scales: one 8-byte load
     sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
                  mask=tmask[:, :, :, :, None], other=0)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import ROW_FACTOR, load_half_mma, load_page_rows, load_tile_mma, mma_col_to_d
+from .codec import ROW_FACTOR, load_page_rows, load_tile_mma, mma_col_to_d
 from .format import PageLayout
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -41,7 +41,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
                    D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr,
-                   NW: tl.constexpr, V_HALVES: tl.constexpr, K_HALVES: tl.constexpr):
+                   NW: tl.constexpr, V_HALVES: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -59,11 +59,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     qo_mask = (gq < QPK)[:, None] & (d < D)[None, :]
     qd = mma_col_to_d(d) if MMA_K else d  # Q's head dim in the order K is decoded in
     q_rows = q_ptr + b * stride_qt + heads[:, None] * stride_qh
-    if K_HALVES:  # Q's two halves in load_half_mma's column orders
-        q_lo = _load_q(q_rows, mma_col_to_d(tl.arange(0, 64)), (gq < QPK)[:, None])
-        q_hi = _load_q(q_rows, mma_col_to_d(64 + tl.arange(0, 64)), (gq < QPK)[:, None])
-    else:
-        q = _load_q(q_rows, qd, qo_mask)
+    q = _load_q(q_rows, qd, qo_mask)
 
     qk_scale = sm_scale * tl.load(k_scale_ptr) * ROW_FACTOR
     if not HAS_SOFTCAP:
@@ -81,14 +77,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
             off4, row4, mask4 = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
                                         n0 + _mma_rows(BLOCK_N, NW), hi, N)
-            if K_HALVES:  # half the decoded K tile live at a time
-                k = load_half_mma(cache_ptr, off4, row4, 0, mask4, H, N, USE_ASM, 0)
-                st = tl.dot(k, tl.trans(q_lo))
-                k = load_half_mma(cache_ptr, off4, row4, 0, mask4, H, N, USE_ASM, 1)
-                st = tl.dot(k, tl.trans(q_hi), st)
-            else:
-                st = tl.dot(load_tile_mma(cache_ptr, off4, row4, 0, mask4, H, N, USE_ASM),
-                            tl.trans(q))
+            st = tl.dot(load_tile_mma(cache_ptr, off4, row4, 0, mask4, H, N, USE_ASM),
+                        tl.trans(q))
         else:
             k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
             st = tl.dot(k, tl.trans(q))
@@ -203,17 +193,14 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
              mask=d < D)
 
 
-# Launch variants that fit more programs per SM (README, "What bounds it"): A/B'd by
-# evals/bench_decode.py --ab, chosen in the backend by NVFP4KV_DECODE_VARIANT.
-# The default (P.V in head-dim halves) was 3-5% faster than the full-width P.V ("full_v") on
-# the H200 (2026-12-04, decode_ab_h200_variants.json); the register-capped variants 7-28%
-# slower.
+# Launch variants, A/B'd by evals/bench_decode.py --ab and chosen in the backend by
+# NVFP4KV_DECODE_VARIANT. The default (P.V in head-dim halves) was 3-5% faster than the
+# full-width P.V ("full_v") on the H200 (2026-12-04, decode_ab_h200_variants.json). Variants
+# with Q.K^T in halves too and registers capped at 128/96 (4-5 programs per SM instead of 3)
+# ran 7-28% slower and were removed (evals/RESULTS.md, "What bounds it").
 DECODE_VARIANTS = {
     "default": {},
     "full_v": dict(v_halves=False),
-    "v_halves_r128": dict(maxnreg=128),
-    "kv_halves_r128": dict(k_halves=True, maxnreg=128),
-    "kv_halves_r96": dict(k_halves=True, maxnreg=96),
 }
 
 
@@ -247,8 +234,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      max_seq_len: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int = 2,
                      use_asm: bool | None = None, mma_k: bool | None = None,
-                     v_halves: bool = True, k_halves: bool = False,
-                     maxnreg: int | None = None) -> torch.Tensor:
+                     v_halves: bool = True) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -259,11 +245,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default
     where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens).
     v_halves (default): P.V in two halves of the head dim, so V^T's shared-memory staging is
-    half as large (3-5% faster than the full width on the H200); k_halves (where mma_k
-    applies): K decoded and multiplied in two halves of the head dim, so half the decoded tile
-    is live; maxnreg: a cap on registers per thread (ptxas spills the rest). With both, 4-5
-    programs fit per SM instead of 3, but they ran 7-28% slower (README, "What bounds it");
-    kept as A/B variants (evals/bench_decode.py --ab)."""
+    half as large (3-5% faster than the full width on the H200)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -304,9 +286,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
         MMA_K=mma_ok if mma_k is None else mma_k and mma_ok, NW=num_warps,
-        V_HALVES=v_halves and d >= 32, K_HALVES=k_halves and mma_ok and mma_k is not False,
-        num_warps=num_warps, num_stages=num_stages,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}))
+        V_HALVES=v_halves and d >= 32, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](
             part_out, part_lse, sinks_arg, out, out.stride(0), out.stride(1), num_splits,

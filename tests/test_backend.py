@@ -492,9 +492,9 @@ def test_decode_variant_option():
     from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS
     impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
     assert impl.decode_variant == {}
-    with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "kv_halves_r128"}):
+    with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "full_v"}):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
-    assert impl.decode_variant == DECODE_VARIANTS["kv_halves_r128"] != {}
+    assert impl.decode_variant == DECODE_VARIANTS["full_v"] == {"v_halves": False}
     with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "fast"}), \
             pytest.raises(ValueError, match="NVFP4KV_DECODE_VARIANT"):
         NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")

@@ -668,22 +668,21 @@ def test_decode_refuses_16_token_tiles(device):
                            block_n=16)
 
 
-HALVES = dict(v_halves=True, maxnreg=128)  # maxnreg: a compile option, no effect interpreted
 
 
 @pytest.mark.parametrize("d,block_n,mma_k,warps,qpk,kw", [
     (96, 32, None, 4, 1, {}), (96, 64, None, 4, 1, {}), (96, 128, None, 4, 1, {}),
     (96, None, None, 4, 1, {}), (128, 64, True, 4, 1, {}), (128, 128, True, 4, 1, {}),
     (128, 256, True, 4, 1, {}), (128, 128, False, 4, 1, {}), (128, 128, True, 8, 1, {}),
-    (128, 128, None, 4, 4, {**HALVES, "k_halves": True}),
-    (128, 64, None, 4, 4, {**HALVES, "k_halves": True}), (128, 128, None, 4, 4, HALVES),
-    (96, 64, None, 4, 4, {**HALVES, "k_halves": True}), (64, 32, None, 4, 4, HALVES)])
+    (128, 128, None, 4, 4, {}), (128, 64, None, 4, 4, {}), (96, 64, None, 4, 4, {}),
+    (64, 32, None, 4, 4, {}), (128, 128, None, 4, 4, {"v_halves": False}),
+    (96, 64, None, 4, 4, {"v_halves": False})])
 def test_decode_block_n(device, d, block_n, mma_k, warps, qpk, kw):
     """Every tile size the launcher accepts (None: its own choice), one and several splits,
     single-token and multi-page sequences; at D = 128 with K decoded straight into the MMA
     layout (codec.load_tile_mma, Q permuted alike; 4 and 8 warps) and through shared memory.
-    GQA with P.V in two halves of the head dim (v_halves; D = 96: the second half is part
-    padding) and Q.K^T too (k_halves: where K is decoded into the MMA layout, else ignored)."""
+    GQA with P.V in two halves of the head dim (the default; D = 96: the second half is part
+    padding) and over the whole head dim (v_halves=False)."""
     n, hkv = 16, 2
     seq_lens = [1, 40, 0, 300]
     cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, seed=7 + qpk)

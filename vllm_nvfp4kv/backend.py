@@ -62,8 +62,8 @@ def options() -> dict:
       the transformed K), nor for head sizes that are not a power of two, nor with
       NVFP4KV_ROTATE_K=auto (the per-layer choice; set 1 or 0 to fuse).
     NVFP4KV_DECODE_VARIANT (default "default"): the decode kernel's launch variant
-      (kernels.decode.DECODE_VARIANTS: full-width P.V, Q.K^T in head-dim halves, capped
-      registers), for serving A/Bs; the default was the fastest on the H200."""
+      (kernels.decode.DECODE_VARIANTS: "full_v", P.V over the whole head dim), for serving
+      A/Bs; the default was the faster on the H200."""
     env = os.environ.get
     return {"four_over_six": env("NVFP4KV_FOUR_OVER_SIX", "1") == "1",
             "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
