@@ -7,11 +7,11 @@ Compute: where does the NVFP4 decode kernel lose bandwidth (issue slots, stalls,
 
 Also prints the static instruction mix of our kernel's main loop (SASS via nvdisasm): issued
 warp-instructions per KV byte, the quantity that bounds a software-dequantizing kernel.
-Without a GPU, `--sass-only` compiles the kernel for sm_90 with Triton's own ptxas and prints
-just that mix (the number the kernel's design is judged by before any GPU time):
+Without a GPU, `--sass-only` compiles the kernel for sm_90 (or --arch) with Triton's own ptxas
+and prints just that mix (the number the kernel's design is judged by before any GPU time):
 
     python evals/profile_decode.py --sass-only [--block-n 128 --warps 4 --stages 2]
-        [--full-v] [--maxnreg 128]
+        [--full-v] [--no-mma-k] [--maxnreg 128] [--arch 90|89|80]
 """
 from __future__ import annotations
 
@@ -60,26 +60,33 @@ def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -
             f"top: {ops.most_common(10)}")
 
 
-def compile_sm90(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 128,
-                 mma_k: bool = True, v_halves: bool = True, maxnreg: int | None = None):
+def compile_sass(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 128,
+                 mma_k: bool = True, v_halves: bool = True, maxnreg: int | None = None,
+                 arch: int = 90):
     """The decode kernel as the launcher specialises it (Llama-3-8B heads, page 16), compiled
-    ahead of time for sm_90: no GPU needed."""
+    ahead of time for sm_<arch>: no GPU needed."""
     from vllm_nvfp4kv.kernels import aot
     fn, sig, _, _ = aot.specs()["decode"]
     return aot.compile_kernel(fn, sig, aot.decode_constexprs(block_n, warps, qpk, d, mma_k,
                                                              v_halves=v_halves),
-                              90, warps, stages, maxnreg)
+                              arch, warps, stages, maxnreg)
 
 
-def resources(kernel) -> str:
+# per SM: shared memory a kernel may use, resident threads (CUDA programming guide; 65,536
+# registers on all three)
+SM_LIMITS = {80: (164 * 1024, 2048), 89: (100 * 1024, 1536), 90: (227 * 1024, 2048)}
+
+
+def resources(kernel, arch: int = 90) -> str:
     """Registers per thread, spill stack and shared memory of a compiled kernel; with them
-    the programs that fit one H200 SM (65,536 registers, 227 KB of shared memory)."""
+    the programs that fit one SM of sm_<arch> (sm_90: an H200's 227 KB of shared memory)."""
     out = _cuda_tool(kernel, "cuobjdump", "-res-usage")
     regs, stack = (int(re.search(rf"{k}:(\d+)", out).group(1)) for k in ("REG", "STACK"))
     smem, threads = kernel.metadata.shared, 32 * kernel.metadata.num_warps
-    fit = min(65536 // (regs * threads), 227 * 1024 // max(1, smem))
+    smem_max, threads_max = SM_LIMITS[arch]
+    fit = min(65536 // (regs * threads), smem_max // max(1, smem), threads_max // threads)
     return (f"registers/thread {regs}, spill stack {stack} B, shared {smem} B: "
-            f"{fit} programs per SM")
+            f"{fit} programs per SM of sm_{arch}")
 
 
 def main():
@@ -87,7 +94,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--skip-fa3", action="store_true")
-    ap.add_argument("--sass-only", action="store_true", help="no GPU: compile for sm_90, print "
+    ap.add_argument("--sass-only", action="store_true", help="no GPU: compile for sm_ARCH, print "
                     "the loop's instruction mix")
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--warps", type=int, default=4)
@@ -97,11 +104,13 @@ def main():
     ap.add_argument("--full-v", action="store_true", help="P.V over the whole head dim (the "
                     "default kernel runs it in halves)")
     ap.add_argument("--maxnreg", type=int, help="cap on registers per thread")
+    ap.add_argument("--arch", type=int, default=90, help="--sass-only: the sm_ target (80, 89: "
+                    "mma.sync, where the launcher's default is --no-mma-k)")
     args = ap.parse_args()
     if args.sass_only:
-        kernel = compile_sm90(args.block_n, args.warps, args.stages, mma_k=not args.no_mma_k,
-                              v_halves=not args.full_v, maxnreg=args.maxnreg)
-        print(resources(kernel))
+        kernel = compile_sass(args.block_n, args.warps, args.stages, mma_k=not args.no_mma_k,
+                              v_halves=not args.full_v, maxnreg=args.maxnreg, arch=args.arch)
+        print(resources(kernel, args.arch))
         print(loop_mix(kernel, args.block_n, args.warps))
         return
     dev = torch.device("cuda")

@@ -61,6 +61,9 @@ def specs() -> dict:
         "decode-8warps": (decode._decode_kernel, decode_sig, decode_constexprs(warps=8), 8),
         "decode-full-v": (decode._decode_kernel, decode_sig,
                           decode_constexprs(features=True, v_halves=False), 4),
+        # the launcher's default off Hopper (decode.has_wgmma): K through shared memory
+        "decode-smem-k": (decode._decode_kernel, decode_sig,
+                          decode_constexprs(features=True, mma_k=False), 4),
         "reduce": (decode._reduce_kernel,
                    dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32",
                         out_ptr="*bf16", stride_ot="i32", stride_oh="i32", num_splits="i32"),

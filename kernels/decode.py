@@ -211,6 +211,19 @@ def mma_k_applies(d: int, num_warps: int, block_n: int) -> bool:
 
 
 @functools.lru_cache
+def has_wgmma(device: torch.device) -> bool:
+    """Whether Triton's dots run as Hopper wgmma here (sm_90), the MMA whose register layout
+    codec.load_tile_mma decodes K into. Elsewhere they are mma.sync (sm_80/89), whose operand
+    layout differs, so the decoded K would be converted through shared memory: in the sm_80
+    and sm_89 builds that costs registers and shared memory at every tile size and P.V
+    variant, and on sm_89 halves the programs per SM (evals/RESULTS.md, "Ampere and Ada").
+    The interpreter (CPU) follows the Hopper kernel."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.lru_cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
@@ -242,8 +255,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     fp32 sink logits. k_scale / v_scale: 1-element fp32 tensors or floats (global scales).
     num_splits: split-KV count (default from choose_num_splits with max_seq_len).
     use_asm: the inline-PTX word decoder (default on CUDA; False: the portable formula).
-    mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default
-    where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens).
+    mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default on
+    Hopper (has_wgmma) where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens).
     v_halves (default): P.V in two halves of the head dim, so V^T's shared-memory staging is
     half as large (3-5% faster than the full width on the H200)."""
     bsz, hq, d = q.shape
@@ -285,7 +298,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         SPLIT=num_splits > 1, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm,
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
-        MMA_K=mma_ok if mma_k is None else mma_k and mma_ok, NW=num_warps,
+        MMA_K=mma_ok and (has_wgmma(dev) if mma_k is None else mma_k), NW=num_warps,
         V_HALVES=v_halves and d >= 32, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](

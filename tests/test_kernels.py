@@ -694,6 +694,34 @@ def test_decode_block_n(device, d, block_n, mma_k, warps, qpk, kw):
         _check_decode(out, ref, seq_lens)
 
 
+
+def test_decode_defaults_per_gpu_generation(device, monkeypatch):
+    """K straight into the MMA layout is a Hopper (wgmma) default; on an Ampere/Ada GPU
+    (has_wgmma False) the launcher decodes K through shared memory, an explicit choice still
+    wins, and the result is the reference's either way."""
+    from vllm_nvfp4kv.kernels import decode as dec
+    seen = []
+    kernel = dec._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["MMA_K"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(dec, "_decode_kernel", Spy())
+    seq_lens = [70, 5]
+    cache, table, q, sl = _decode_case(device, 128, 16, 2, 4, seq_lens, seed=3)
+    ref = _ref_decode(q, cache, table, sl, 0.1, 1.0, 1.0)
+    for wgmma, kw, want in ((True, {}, True), (False, {}, False), (False, {"mma_k": True}, True),
+                            (True, {"mma_k": False}, False)):
+        monkeypatch.setattr(dec, "has_wgmma", lambda _dev, w=wgmma: w)
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+        K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, num_splits=2, **kw)
+        assert seen[-1] == want
+        _check_decode(out, ref, seq_lens)
+
 def test_decode_fp16_query_small_tiles_default_splits(device):
     """fp16 q and output, BLOCK_N 32 (two pages per tile), the default split choice."""
     d, n, hkv, qpk = 128, 16, 2, 1
