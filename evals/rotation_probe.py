@@ -6,7 +6,8 @@ cache receives it) and sent through the reference quantizer with and without the
 amax / (6 * 448). Qwen2.5's keys are centred (per-channel
 mid-range) first, as the backend does online. Score error: every query against every key of
 its head group, squared, summed per layer. What NVFP4KV_ROTATE_K=auto (the per-layer choice,
-cache_space.rotation_helps) was designed from (README, "K's rotation chosen per layer").
+cache_space.rotation_helps) was designed from (evals/RESULTS.md, "K's rotation chosen per
+layer").
 
     python evals/rotation_probe.py --model gemma --out evals/results/rotation_probe_gemma3_270m_cpu.json
 """

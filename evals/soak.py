@@ -23,8 +23,8 @@ summary table is printed last. Exit status 0 only when every check holds.
     python evals/soak.py --requests 30 --max-tokens 12 --out evals/results/soak_cpu.json
 
 By default the server runs with NVFP4KV_PREFILL_FROM_CACHE=1, the setting under which identical
-greedy requests are expected to match under prefix caching (README, "Serving through the
-OpenAI API"); --exact-prefill serves with the default instead.
+greedy requests are expected to match under prefix caching (evals/RESULTS.md, "Serving
+through the OpenAI API"); --exact-prefill serves with the default instead.
 """
 from __future__ import annotations
 

@@ -12,10 +12,11 @@ launch can be captured in a CUDA graph.
 
 Both products are written transposed (S^T = K Q^T, O^T = V^T P^T) so that the token axis is
 the MMA's M: on Hopper that makes them 64-row wgmma with the freshly decoded K as the register
-operand. At D = 128 K is decoded straight into that operand's register layout
+operand. At D = 128 on Hopper K is decoded straight into that operand's register layout
 (codec.load_tile_mma; Q is loaded with its head dim in the same permuted order), so it never
-goes through shared memory. Instructions per KV byte (evals/profile_decode.py: 0.271 in the
-loop) and latency hiding at 3 programs per SM bound it (README, "What bounds it").
+goes through shared memory (elsewhere the dots are mma.sync and K is decoded in rows:
+has_wgmma). Instructions per KV byte (evals/profile_decode.py: 0.209 in the sm_90 loop) and
+latency hiding at 3 programs per SM bound it (evals/RESULTS.md, "What bounds it").
 """
 from __future__ import annotations
 

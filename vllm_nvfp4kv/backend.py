@@ -380,7 +380,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                                  "exclude each other: unset NVFP4KV_ROTATE_K")
             self.space.rotate_k = False
         # centering keeps the rotation as configured: rotating K - mu is as exact as rotating
-        # K, and the two together measured best (Qwen2.5 KL 0.0034 vs 0.0055 without, README)
+        # K, and the two together measured best (Qwen2.5 KL 0.0034 vs 0.0055 without,
+        # evals/RESULTS.md)
         if mu is None and self.center_k_option != "0" and self.sinks is None \
                 and not self.softcap:
             # reserved now, before any CUDA graph captures the subtraction; zeros until the
@@ -415,7 +416,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if ratio > K_OUTLIER_RATIO:
             _K_OUTLIER_MODELS.add(self._model)
         # auto: model-wide, since layers below the outlier ratio gain as well (Qwen2.5: KL
-        # 0.0033 centering every layer vs 0.0070 only those above it; README)
+        # 0.0033 centering every layer vs 0.0070 only those above it; evals/RESULTS.md)
         if self._online_center and (self.center_k_option == "1"
                                     or self._model in _K_OUTLIER_MODELS):
             self.space.k_sub.copy_(k_mid_range(key, slot_mapping))  # in place: graphs hold it
@@ -429,8 +430,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             logger.warning(
                 "NVFP4 KV cache: layer %s has K outlier channels (max/median channel amax "
                 "%.0f > %.0f, e.g. a k_proj bias as in Qwen2): each 16-value block holding one "
-                "rounds its other values to 0 and accuracy collapses (README, Qwen2.5 "
-                "fidelity). Calibrate K centering (python -m vllm_nvfp4kv.calibration "
+                "rounds its other values to 0 and accuracy collapses (evals/RESULTS.md, "
+                "Qwen2.5 fidelity). Calibrate K centering (python -m vllm_nvfp4kv.calibration "
                 "--center-k, then NVFP4KV_SCALES_FILE; online centering is off with "
                 "NVFP4KV_CENTER_K=0, sinks or a soft-cap) or use --kv-cache-dtype fp8.",
                 name, ratio, K_OUTLIER_RATIO)

@@ -17,8 +17,8 @@ output cannot see:
   (``auto``) each layer keeps it or not from its first real batch, whichever gives the
   smaller error of that batch's scores q.k through the 4-bit cache (``rotation_helps``):
   the rotation spreads a key's outlier channels over all blocks, which helps where those
-  channels carry little of the queries' weight and hurts where they carry much (README,
-  Gemma 3).
+  channels carry little of the queries' weight and hurts where they carry much
+  (evals/RESULTS.md, Gemma 3).
 * Hadamard rotation of V (``NVFP4KV_ROTATE_V``): attention over rotated V gives the output
   rotated; H is its own inverse, so rotating the output again undoes it.
 
@@ -119,6 +119,6 @@ def rotation_helps(q: torch.Tensor, k: torch.Tensor, k_scale, four_over_six: boo
     """Whether rotating K (and q) lowers the error of one batch's scores q.k through the 4-bit
     cache (rotation_errors). K's own error does not decide it: on Gemma 3 the rotation lowers
     K's error in 14 of 18 layers but raises the score error in 6, up to 10x
-    (evals/rotation_probe.py, README)."""
+    (evals/rotation_probe.py, evals/RESULTS.md)."""
     err = rotation_errors(q, k, k_scale, four_over_six)
     return err["score_rot"] < err["score_plain"]

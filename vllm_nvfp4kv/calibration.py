@@ -461,7 +461,7 @@ def main(argv=None):
                          "e.g. Qwen2's k_proj bias; the backend warns about them)")
     ap.add_argument("--smooth-k", action="store_true",
                     help="also per-channel K smoothing (measured worse than centering alone "
-                         "on Qwen2.5, README)")
+                         "on Qwen2.5, evals/RESULTS.md)")
     args = ap.parse_args(argv)
     res = calibrate(args.model, read_texts(args.texts), args.out, args.headroom,
                     args.max_model_len, args.center_k, args.smooth_k,

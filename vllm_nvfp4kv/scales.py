@@ -32,7 +32,7 @@ def check_scales(layer_name: str, k_scale: float, v_scale: float) -> None:
 
 # Max / median of a KV head's per-channel |K| amax (RoPE pairs merged) above which one
 # channel owns its 16-value blocks: measured on one GSM8K text, SmolLM2 6, Gemma 3 270M 25,
-# Qwen2.5-Coder-1.5B 85 (k_proj bias; NVFP4 perplexity x2,000 there, README).
+# Qwen2.5-Coder-1.5B 85 (k_proj bias; NVFP4 perplexity x2,000 there, evals/RESULTS.md).
 K_OUTLIER_RATIO = 48.0
 
 
