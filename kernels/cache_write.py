@@ -35,19 +35,26 @@ def _finite(x):
 
 
 @triton.jit
-def _key_as_cached(k_ptr, k_sub_ptr, h, rot_c, D: tl.constexpr, G_PAD: tl.constexpr,
-                   HAS_K_SUB: tl.constexpr, ROTATE_K: tl.constexpr, LOG2_D: tl.constexpr):
+def _key_as_cached(k_ptr, k_sub_ptr, h, rot_c, rot_on_ptr, D: tl.constexpr,
+                   G_PAD: tl.constexpr, HAS_K_SUB: tl.constexpr, ROTATE_K: tl.constexpr,
+                   ROT_FLAG: tl.constexpr, LOG2_D: tl.constexpr):
     """A K row transformed as cache_space.CacheSpace.key does it in torch (K - mu, then
     x @ H with H's entries +-rot_c), each step rounded to K's dtype as torch rounds it ->
-    (even, odd) elements [G_PAD, 8] in fp32. D is a power of two (G_PAD = D / 16)."""
+    (even, odd) elements [G_PAD, 8] in fp32. D is a power of two (G_PAD = D / 16).
+    ROT_FLAG: the rotation only where *rot_on_ptr != 0 (a per-layer choice made after CUDA
+    graphs captured this kernel; x @ I, its alternative, is x)."""
     d = tl.arange(0, D)
     x = tl.load(k_ptr + d)
     if HAS_K_SUB:
         x = round_to(x.to(tl.float32) - tl.load(k_sub_ptr + h * D + d).to(tl.float32),
                       x.dtype)
     if ROTATE_K:
-        x = round_to(tl.reshape(fwht(tl.reshape(x.to(tl.float32), (1, D)), D, LOG2_D), (D,))
+        y = round_to(tl.reshape(fwht(tl.reshape(x.to(tl.float32), (1, D)), D, LOG2_D), (D,))
                      * rot_c, x.dtype)
+        if ROT_FLAG:
+            x = tl.where(tl.load(rot_on_ptr) != 0, y, x)
+        else:
+            x = y
     xe, xo = tl.split(tl.reshape(x.to(tl.float32), (G_PAD, 8, 2)))
     return xe, xo
 
@@ -76,10 +83,10 @@ def _quantize_vals(xe, xo, g, FOUR_OVER_SIX: tl.constexpr):
 
 @triton.jit
 def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-                  k_sub_ptr, stride_kt, stride_kh, stride_vt, stride_vh, page_stride, rot_c,
-                  H: tl.constexpr, N: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-                  FOUR_OVER_SIX: tl.constexpr, HAS_K_SUB: tl.constexpr,
-                  ROTATE_K: tl.constexpr, LOG2_D: tl.constexpr):
+                  k_sub_ptr, rot_on_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                  page_stride, rot_c, H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                  G_PAD: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, HAS_K_SUB: tl.constexpr,
+                  ROTATE_K: tl.constexpr, ROT_FLAG: tl.constexpr, LOG2_D: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -96,7 +103,8 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     for side in tl.static_range(2):
         if side == 0 and (HAS_K_SUB or ROTATE_K):
             xe, xo = _key_as_cached(key_ptr + t * stride_kt + h * stride_kh, k_sub_ptr, h,
-                                    rot_c, D, G_PAD, HAS_K_SUB, ROTATE_K, LOG2_D)
+                                    rot_c, rot_on_ptr, D, G_PAD, HAS_K_SUB, ROTATE_K,
+                                    ROT_FLAG, LOG2_D)
             word, s = _quantize_vals(xe, xo, tl.load(k_scale_ptr), FOUR_OVER_SIX)
         elif side == 0:
             word, s = _quantize_row(key_ptr + t * stride_kt + h * stride_kh,
@@ -116,7 +124,8 @@ def _as_scale(x, device) -> torch.Tensor:
 
 def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 slot_mapping: torch.Tensor, k_scale, v_scale, four_over_six: bool = False,
-                k_sub: torch.Tensor | None = None, rotate_k: bool = False) -> None:
+                k_sub: torch.Tensor | None = None,
+                rotate_k: bool | torch.Tensor = False) -> None:
     """Quantize the first T rows of key/value [>=T, H, D] (bf16/fp16/fp32) into kv_cache
     [num_blocks, 2H, N, D/2 + D/16] uint8 at slot_mapping [T] (int; slots < 0 skipped).
     k_scale / v_scale: the layer's FP32 global scales (floats or 1-element tensors).
@@ -124,7 +133,9 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     squared error (reference.quantize; a near-tie may resolve differently, the sums' order
     differs). k_sub [H, D] (key's dtype) and rotate_k (power-of-two D): K is cached as
     rotation.rotate(key - k_sub) (vllm_nvfp4kv.cache_space), computed here instead of by two
-    torch ops, with the same roundings (up to fp32 summation order)."""
+    torch ops, with the same roundings (up to fp32 summation order). rotate_k may be a
+    1-element int32 device tensor: rotate where it is nonzero, read at run time (CUDA graphs
+    replay the choice made after their capture: cache_space's per-layer rotation)."""
     t, (h, d) = slot_mapping.shape[0], key.shape[1:]
     n = kv_cache.shape[2]
     PageLayout(n, h, d)  # validates head_dim
@@ -137,12 +148,15 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         assert d & (d - 1) == 0 and key.stride(2) == 1
         assert k_sub is None or (k_sub.shape == (h, d) and k_sub.is_contiguous()
                                  and k_sub.dtype == key.dtype)
+    flag = rotate_k if isinstance(rotate_k, torch.Tensor) else None
+    assert flag is None or (flag.dtype == torch.int32 and flag.numel() == 1)
+    rotate_k = flag is not None or bool(rotate_k)
     rot_c = hadamard_entry(d, key.dtype) if rotate_k else 1.0
     _write_kernel[(t, h)](
         key, value, kv_cache, slot_mapping,
         _as_scale(k_scale, key.device), _as_scale(v_scale, key.device),
-        key if k_sub is None else k_sub,
+        key if k_sub is None else k_sub, slot_mapping if flag is None else flag,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
         rot_c, H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // GROUP_SIZE),
         FOUR_OVER_SIX=four_over_six, HAS_K_SUB=k_sub is not None, ROTATE_K=rotate_k,
-        LOG2_D=d.bit_length() - 1, num_warps=1)
+        ROT_FLAG=flag is not None, LOG2_D=d.bit_length() - 1, num_warps=1)

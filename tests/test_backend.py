@@ -459,12 +459,15 @@ def test_k_outlier_channels_warn_once_per_layer():
         assert impl._outliers_checked
 
 
-@pytest.mark.parametrize("rotate_k", ["0", "1"])
-def test_fused_k_write_gives_the_same_cache(rotate_k):
+@pytest.mark.parametrize("rotate_k,chosen", [("0", None), ("1", None), ("auto", True),
+                                             ("auto", False)])
+def test_fused_k_write_gives_the_same_cache(rotate_k, chosen):
     """NVFP4KV_FUSE_TRANSFORMS: K centering (here online, set in place after a warm-up batch)
     and rotation done by the Triton writer give the bytes the torch transforms + reference
-    writer give. The option applies on a GPU only; here it is forced on after the first
-    (warm-up) write, and the Triton writer runs in the interpreter."""
+    writer give; with the per-layer choice (auto) also after the layer chose (here set by
+    hand) to keep or drop the rotation: the writer reads the choice from a device flag. The
+    option applies on a GPU only; here it is forced on after the first (warm-up) write, and
+    the Triton writer runs in the interpreter."""
     k, v, _ = _outlier_case(seed=3)
     t, nb = k.shape[0], 8
     caches = []
@@ -479,7 +482,11 @@ def test_fused_k_write_gives_the_same_cache(rotate_k):
                                     torch.zeros_like(v[:4]).bfloat16(), cache,
                                     torch.full((4,), -1))
             assert impl.fuse_transforms_option == fused and not impl._fused_k  # not on a CPU
+            assert (impl.space.k_rot_on is not None) == (rotate_k == "auto")
             impl._fused_k = fused
+            if chosen is not None:  # as _decide_rotation leaves it
+                impl.space.choose_rotation(chosen)
+                impl._pending_rotation = None
             impl.do_kv_cache_update(layer, k.bfloat16(), v.bfloat16(), cache, torch.arange(t))
             assert impl._online_center and impl.space.k_sub.abs().max() > 100
         caches.append(cache)

@@ -811,13 +811,19 @@ def test_choose_num_splits():
 @pytest.mark.parametrize("d,dtype,sub,rot", [
     (128, torch.bfloat16, True, True), (128, torch.bfloat16, False, True),
     (128, torch.float16, True, False), (64, torch.float32, True, True),
-    (256, torch.bfloat16, True, True)])
+    (256, torch.bfloat16, True, True), (128, torch.bfloat16, True, "flag1"),
+    (128, torch.bfloat16, True, "flag0")])
 def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot):
     """k_sub / rotate_k in the writer: the same cache as the torch path it replaces
     (cache_space.CacheSpace.key: rotate(key - k_sub), each rounded to key's dtype, then
     reference.write_cache), up to a rare last-bit difference from the order of fp32 sums that
     can move a value across an E2M1 rounding threshold. K carries Qwen-like offset channels
-    (~350) that the subtraction removes; V is written as usual."""
+    (~350) that the subtraction removes; V is written as usual. "flagN": rotate_k given as a
+    device flag (the per-layer choice, read at run time) holding N."""
+    flag = None
+    if isinstance(rot, str):
+        flag = torch.tensor([int(rot[-1])], dtype=torch.int32, device=device)
+        rot = bool(int(rot[-1]))
     from vllm_nvfp4kv.kernels.rotation import rotate
     n, h, nb = 16, 2, 3
     gen = _gen(d + 5)
@@ -832,7 +838,7 @@ def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot):
     cache = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8, device=device)
     K.write_cache(cache, key.to(device), value.to(device), slots.to(device), 1.5, 0.5,
                   four_over_six=True, k_sub=None if k_sub is None else k_sub.to(device),
-                  rotate_k=rot)
+                  rotate_k=rot if flag is None else flag)
     k_cached = key[:t] - k_sub if sub else key[:t]
     k_cached = rotate(k_cached) if rot else k_cached
     ref = torch.zeros_like(cache, device="cpu")

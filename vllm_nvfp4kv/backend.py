@@ -59,8 +59,8 @@ def options() -> dict:
       inside the cache writer (kernels.write_cache k_sub / rotate_k) instead of two torch ops
       per layer and step; the same cache bytes (tests/test_kernels.py). Off until timed and
       tested on a GPU. Not with K smoothing or NVFP4KV_CALIBRATE=online/collect (they read
-      the transformed K), nor for head sizes that are not a power of two, nor with
-      NVFP4KV_ROTATE_K=auto (the per-layer choice; set 1 or 0 to fuse).
+      the transformed K), nor for head sizes that are not a power of two. With
+      NVFP4KV_ROTATE_K=auto the writer reads the layer's choice from a device flag.
     NVFP4KV_DECODE_VARIANT (default "default"): the decode kernel's launch variant
       (kernels.decode.DECODE_VARIANTS: "full_v", P.V over the whole head dim), for serving
       A/Bs; the default was the faster on the H200."""
@@ -354,7 +354,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if self._fused_k:
             write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale,
                         self.four_over_six, k_sub=self.space.k_sub,
-                        rotate_k=self.space.rotate_k)
+                        rotate_k=self.space.rotate_k if self.space.k_rot_on is None
+                        else self.space.k_rot_on)  # per-layer choice: read at run time
             return
         write = write_cache if kv_cache.is_cuda else reference.write_cache
         write(kv_cache, key, value, slot_mapping, k_scale, v_scale, self.four_over_six)
@@ -398,7 +399,6 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if self._choose_rotation:
             self.space.reserve_rotation_choice(self.head_size, key.device, key.dtype)
         self._fused_k = (self.fuse_transforms_option and key.is_cuda and self.space.k_mul is None
-                         and self.space.k_rot is None  # the writer's rotation is fixed
                          and (self.space.k_sub is not None or self.space.rotate_k)
                          and self.head_size & (self.head_size - 1) == 0  # whole-row loads
                          and not (cal["online"] or cal["collect"]))

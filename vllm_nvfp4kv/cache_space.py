@@ -43,6 +43,7 @@ class CacheSpace:
     rotate_k: bool = False
     rotate_v: bool = False
     k_rot: torch.Tensor | None = None  # [D, D] H or I: rotate_k chosen per layer (choose_rotation)
+    k_rot_on: torch.Tensor | None = None  # [1] int32, 1 while k_rot is H (the fused writer's flag)
     k_sub: torch.Tensor | None = None  # [Hkv, D] mu: K is cached as (K - mu) * k_mul
     k_mul: torch.Tensor | None = None  # [Hkv, D] 1 / s
     q_mul: torch.Tensor | None = None  # [Hq, D] s of each query head's KV head
@@ -58,10 +59,12 @@ class CacheSpace:
 
     def reserve_rotation_choice(self, d: int, device, dtype: torch.dtype) -> None:
         """A matrix the key and query rotations multiply by, H until choose_rotation (reserved
-        before any CUDA graph captures the products)."""
+        before any CUDA graph captures the products), and its flag for the fused writer."""
         self.k_rot = hadamard(d, str(device), dtype).clone()
+        self.k_rot_on = torch.ones(1, dtype=torch.int32, device=device)
 
     def choose_rotation(self, on: bool) -> None:
+        self.k_rot_on.fill_(int(on))
         self.k_rot.copy_(hadamard(self.k_rot.shape[0], str(self.k_rot.device), self.k_rot.dtype)
                          if on else torch.eye(self.k_rot.shape[0], dtype=self.k_rot.dtype,
                                               device=self.k_rot.device))
