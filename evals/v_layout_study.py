@@ -21,6 +21,7 @@ shared memory, registers and the instruction mix.
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import os
 import re
@@ -79,6 +80,8 @@ def study(fn) -> dict:
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawTextHelpFormatter).parse_args()
     for name, fn in (("rows (today)", _rows), ("pairs (proposed)", _pairs)):
         print(name, study(fn))
 
