@@ -27,18 +27,15 @@ import fidelity  # noqa: E402
 
 from vllm_nvfp4kv.cache_space import rotation_errors  # noqa: E402
 
-MODELS = {"smollm2": assets.smollm2, "gemma": assets.gemma3_270m, "qwen": assets.qwen_coder}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", choices=sorted(MODELS), default="gemma")
+    ap.add_argument("--model", choices=sorted(assets.MODELS), default="gemma")
     ap.add_argument("--texts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = MODELS[args.model]()
+    path = assets.MODELS[args.model]()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation="eager")

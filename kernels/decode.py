@@ -67,11 +67,13 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         qk_scale = qk_scale * LOG2E
     m_i = tl.full([QG_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([QG_PAD], tl.float32)
-    l_acc = tl.zeros([QG_PAD, NW, 8], tl.float32)  # MMA_K: l summed within threads
-    acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)  # transposed: [D, heads]
-    if V_HALVES:
+    if MMA_K:
+        l_acc = tl.zeros([QG_PAD, NW, 8], tl.float32)  # l summed within threads
+    if V_HALVES:  # transposed: [D, heads], in two halves
         acc_lo = tl.zeros([G_PAD * 8, QG_PAD], tl.float32)
         acc_hi = tl.zeros([G_PAD * 8, QG_PAD], tl.float32)
+    else:
+        acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
                                        n0 + tl.arange(0, BLOCK_N), hi, N)
@@ -149,13 +151,8 @@ def _locate(block_table_ptr, b, stride_bt, page_stride, kvh, tok, hi, N: tl.cons
 
 @triton.jit
 def _load_q(q_rows, dd, mask):
-    """Query elements dd of rows q_rows as fp16."""
-    return _as_fp16(tl.load(q_rows + dd[None, :], mask=mask, other=0.0))
-
-
-@triton.jit
-def _as_fp16(q):
-    """BF16/FP16 query -> fp16 for the MMA (clamped: exact in range)."""
+    """Query elements dd of rows q_rows as fp16 for the MMA (clamped: exact in range)."""
+    q = tl.load(q_rows + dd[None, :], mask=mask, other=0.0)
     return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
