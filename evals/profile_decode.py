@@ -11,7 +11,7 @@ Without a GPU, `--sass-only` compiles the kernel for sm_90 (or --arch) with Trit
 and prints just that mix (the number the kernel's design is judged by before any GPU time):
 
     python evals/profile_decode.py --sass-only [--block-n 128 --warps 4 --stages 2]
-        [--full-v] [--no-mma-k] [--maxnreg 128] [--arch 90|89|80]
+        [--full-v] [--v-rows] [--no-mma-k] [--maxnreg 128] [--arch 90|89|80]
 """
 from __future__ import annotations
 
@@ -62,13 +62,13 @@ def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -
 
 def compile_sass(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 128,
                  mma_k: bool = True, v_halves: bool = True, maxnreg: int | None = None,
-                 arch: int = 90):
+                 arch: int = 90, mma_v: bool = True):
     """The decode kernel as the launcher specialises it (Llama-3-8B heads, page 16), compiled
     ahead of time for sm_<arch>: no GPU needed."""
     from vllm_nvfp4kv.kernels import aot
     fn, sig, _, _ = aot.specs()["decode"]
     return aot.compile_kernel(fn, sig, aot.decode_constexprs(block_n, warps, qpk, d, mma_k,
-                                                             v_halves=v_halves),
+                                                             v_halves=v_halves, mma_v=mma_v),
                               arch, warps, stages, maxnreg)
 
 
@@ -103,13 +103,16 @@ def main():
                     "layout before codec.load_tile_mma)")
     ap.add_argument("--full-v", action="store_true", help="P.V over the whole head dim (the "
                     "default kernel runs it in halves)")
+    ap.add_argument("--v-rows", action="store_true", help="V decoded in rows and transposed "
+                    "through shared memory (not straight into the MMA operand)")
     ap.add_argument("--maxnreg", type=int, help="cap on registers per thread")
     ap.add_argument("--arch", type=int, default=90, help="--sass-only: the sm_ target (80, 89: "
                     "mma.sync, where the launcher's default is --no-mma-k)")
     args = ap.parse_args()
     if args.sass_only:
         kernel = compile_sass(args.block_n, args.warps, args.stages, mma_k=not args.no_mma_k,
-                              v_halves=not args.full_v, maxnreg=args.maxnreg, arch=args.arch)
+                              v_halves=not args.full_v, maxnreg=args.maxnreg, arch=args.arch,
+                              mma_v=not args.v_rows)
         print(resources(kernel, args.arch))
         print(loop_mix(kernel, args.block_n, args.warps))
         return

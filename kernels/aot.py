@@ -16,14 +16,15 @@ DIV16 = ("page_stride", "stride_qt", "stride_ot", "stride_bt", "stride_kt", "str
 
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
                       mma_k: bool = True, features: bool = False,
-                      v_halves: bool = True) -> dict:
+                      v_halves: bool = True, mma_v: bool = True) -> dict:
     """The decode kernel's constexprs as decode_attention sets them (Llama-3-8B heads, page
     16, several splits); features: softcap, sliding window and sinks on."""
+    mma_k = mma_k and mma_k_applies(d, warps, block_n)
     return dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
                 G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, SPLIT=True,
                 USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
-                MMA_K=mma_k and mma_k_applies(d, warps, block_n),
-                NW=warps, V_HALVES=v_halves)
+                MMA_K=mma_k, NW=warps, V_HALVES=v_halves,
+                MMA_V=mma_v and mma_k and warps == 4)
 
 
 def specs() -> dict:
@@ -63,7 +64,9 @@ def specs() -> dict:
                               decode_constexprs(d=96, features=True), 4),
         "decode-8warps": (decode._decode_kernel, decode_sig, decode_constexprs(warps=8), 8),
         "decode-full-v": (decode._decode_kernel, decode_sig,
-                          decode_constexprs(features=True, v_halves=False), 4),
+                          decode_constexprs(features=True, v_halves=False, mma_v=False), 4),
+        "decode-v-rows": (decode._decode_kernel, decode_sig,
+                          decode_constexprs(features=True, mma_v=False), 4),
         # the launcher's default off Hopper (decode.has_wgmma): K through shared memory
         "decode-smem-k": (decode._decode_kernel, decode_sig,
                           decode_constexprs(features=True, mma_k=False), 4),

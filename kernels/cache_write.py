@@ -6,16 +6,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e2m1_pack_words,
-                    e4m3_decode, e4m3_encode, round_to)
+from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e2m1_pack_v_token,
+                    e2m1_pack_words, e4m3_decode, e4m3_encode, round_to, v_slot)
 from .format import GROUP_SIZE, PageLayout
 from .rotation import fwht, hadamard_entry
 
 
 @triton.jit
-def _encode_blocks(xe, xo, amax, g, TARGET: tl.constexpr):
-    """Blocks (even [G, 8], odd [G, 8] values) with amax mapped to TARGET -> (data words
-    [G, 2], scale codes, squared error per block)."""
+def _encode_blocks(xe, xo, amax, g, TARGET: tl.constexpr, V: tl.constexpr, p):
+    """Blocks (even [G, 8], odd [G, 8] values) with amax mapped to TARGET -> (data, scale
+    codes, squared error per block). Data: K words [G, 2], or where V the token's bits of its
+    4 V words per block [G, 4] (p: its V slot parity)."""
     s = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, TARGET), g))
     scale = e4m3_decode(s) * g
     r = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
@@ -26,7 +27,11 @@ def _encode_blocks(xe, xo, amax, g, TARGET: tl.constexpr):
     err = tl.sum(de * de, axis=1) + tl.sum(do * do, axis=1)
     G: tl.constexpr = xe.shape[0]
     codes = tl.reshape(tl.join(tl.reshape(ce, (G, 2, 4)), tl.reshape(co, (G, 2, 4))), (G, 2, 8))
-    return e2m1_pack_words(codes), s, err
+    if V:
+        data = e2m1_pack_v_token(tl.reshape(codes, (G, 4, 4)), p)
+    else:
+        data = e2m1_pack_words(codes)
+    return data, s, err
 
 
 @triton.jit
@@ -63,21 +68,22 @@ def _key_as_cached(k_ptr, k_sub_ptr, h, rot_c, rot_on_ptr, D: tl.constexpr,
 
 
 @triton.jit
-def _quantize_row(x_ptr, g, col, cmask, FOUR_OVER_SIX: tl.constexpr):
+def _quantize_row(x_ptr, g, col, cmask, FOUR_OVER_SIX: tl.constexpr, V: tl.constexpr = False,
+                  p=0):
     """One (side, head, token) row. col [G, 8]: offsets of the even elements of each group."""
     xe = tl.load(x_ptr + col, mask=cmask, other=0.0).to(tl.float32)
     xo = tl.load(x_ptr + col + 1, mask=cmask, other=0.0).to(tl.float32)
-    return _quantize_vals(xe, xo, g, FOUR_OVER_SIX)
+    return _quantize_vals(xe, xo, g, FOUR_OVER_SIX, V, p)
 
 
 @triton.jit
-def _quantize_vals(xe, xo, g, FOUR_OVER_SIX: tl.constexpr):
-    """Even and odd elements [G, 8] of one row -> (data words [G, 2], scale codes [G])."""
+def _quantize_vals(xe, xo, g, FOUR_OVER_SIX: tl.constexpr, V: tl.constexpr = False, p=0):
+    """Even and odd elements [G, 8] of one row -> (data (_encode_blocks), scale codes [G])."""
     amax = tl.maximum(tl.max(tl.where(xe == xe, tl.abs(xe), 0.0), axis=1),
                       tl.max(tl.where(xo == xo, tl.abs(xo), 0.0), axis=1))
-    word, s, err = _encode_blocks(xe, xo, amax, g, 6.0)
+    word, s, err = _encode_blocks(xe, xo, amax, g, 6.0, V, p)
     if FOUR_OVER_SIX:  # keep amax -> 4 where its squared error is strictly smaller
-        word4, s4, err4 = _encode_blocks(xe, xo, amax, g, 4.0)
+        word4, s4, err4 = _encode_blocks(xe, xo, amax, g, 4.0, V, p)
         use4 = err4 < err
         word = tl.where(use4[:, None], word4, word)
         s = tl.where(use4, s4, s)
@@ -101,24 +107,32 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     ii = tl.arange(0, 8)
     col = gi[:, None] * 16 + 2 * ii[None, :]
     cmask = (gi < G)[:, None]
-    row = h * N + slot % N
+    tok = slot % N
     page = cache_ptr + (slot // N) * page_stride
-    for side in tl.static_range(2):
-        if side == 0 and (HAS_K_SUB or ROTATE_K):
-            xe, xo = _key_as_cached(key_ptr + t * stride_kt + h * stride_kh, k_sub_ptr, h,
-                                    rot_c, rot_on_ptr, D, G_PAD, HAS_K_SUB, ROTATE_K,
-                                    ROT_FLAG, LOG2_D)
-            word, s = _quantize_vals(xe, xo, tl.load(k_scale_ptr), FOUR_OVER_SIX)
-        elif side == 0:
-            word, s = _quantize_row(key_ptr + t * stride_kt + h * stride_kh,
-                                    tl.load(k_scale_ptr), col, cmask, FOUR_OVER_SIX)
-        else:
-            word, s = _quantize_row(value_ptr + t * stride_vt + h * stride_vh,
-                                    tl.load(v_scale_ptr), col, cmask, FOUR_OVER_SIX)
-        base = page + side * SIDE_BYTES
-        wptr = (base + row * (D // 2)).to(tl.pointer_type(tl.int32))  # rows are 4-aligned
-        tl.store(wptr + gi[:, None] * 2 + tl.arange(0, 2)[None, :], word, mask=cmask)
-        tl.store(base + H * N * (D // 2) + row * G + gi, s, mask=gi < G)
+    # K: the token's row of words and of scales
+    if HAS_K_SUB or ROTATE_K:
+        xe, xo = _key_as_cached(key_ptr + t * stride_kt + h * stride_kh, k_sub_ptr, h, rot_c,
+                                rot_on_ptr, D, G_PAD, HAS_K_SUB, ROTATE_K, ROT_FLAG, LOG2_D)
+        word, s = _quantize_vals(xe, xo, tl.load(k_scale_ptr), FOUR_OVER_SIX)
+    else:
+        word, s = _quantize_row(key_ptr + t * stride_kt + h * stride_kh, tl.load(k_scale_ptr),
+                                col, cmask, FOUR_OVER_SIX)
+    row = h * N + tok
+    wptr = (page + row * (D // 2)).to(tl.pointer_type(tl.int32))  # rows are 4-aligned
+    tl.store(wptr + gi[:, None] * 2 + tl.arange(0, 2)[None, :], word, mask=cmask)
+    tl.store(page + H * N * (D // 2) + row * G + gi, s, mask=gi < G)
+    # V: the token's two bytes of each of its D/4 token-pair words, its scales at its V slot
+    vs = v_slot(tok)
+    p = (vs % 2).to(tl.uint32)
+    bits, s = _quantize_row(value_ptr + t * stride_vt + h * stride_vh, tl.load(v_scale_ptr),
+                            col, cmask, FOUR_OVER_SIX, True, p)           # [G, 4] uint32
+    own = (bits >> (8 + 16 * p)) | (bits << (24 - 16 * p))                # its bytes at 0..15
+    base = page + SIDE_BYTES
+    q = 4 * gi[:, None] + tl.arange(0, 4)[None, :]
+    wbyte = base + h * (N * (D // 2)) + (q * (N // 2) + vs // 2) * 4
+    tl.store(wbyte + 1 + 2 * p, (own & 0xFF).to(tl.uint8), mask=cmask)
+    tl.store(wbyte + (2 + 2 * p) % 4, ((own >> 8) & 0xFF).to(tl.uint8), mask=cmask)
+    tl.store(base + H * N * (D // 2) + h * (N * G) + gi * N + vs, s, mask=gi < G)
 
 
 def _as_scale(x, device) -> torch.Tensor:

@@ -10,14 +10,37 @@ page's data words place those bits so that a rotation brings them there (format.
 import triton
 import triton.language as tl
 
-from .format import WORD_PAIR_ROTATION, WORD_SIGN_ROTATION
+from .format import (VWORD_PAIR_ROTATION, VWORD_SIGN_ROTATION, WORD_PAIR_ROTATION,
+                     WORD_SIGN_ROTATION)
 
-# format.py's word layout: pair k's magnitudes come to bits 9..11 / 25..27 of an fp16x2 when
-# the word is rotated right by 3k, its signs to 15 / 31 when rotated by SIGN_ROT_k (6, 9 for
-# pairs 2, 3: the same rotation); e2m1_word_fp16 spells the same numbers in PTX.
-assert WORD_PAIR_ROTATION == (0, 3, 6, 9) and WORD_SIGN_ROTATION[2:] == (6, 9)
-SIGN_ROT_0 = tl.constexpr(WORD_SIGN_ROTATION[0])
-SIGN_ROT_1 = tl.constexpr(WORD_SIGN_ROTATION[1])
+
+def _word_asm(pair_rotation, sign_rotation) -> str:
+    """PTX of e2m1_word_fp16 for a word layout of format.py: pair k = the word rotated right
+    by pair_rotation[k] (a funnel shift; none for 0), masked to the magnitudes' bits 9..11 /
+    25..27; its signs from the same rotation (one AND with 0x8E008E00) or from a second one
+    (AND 0x80008000, then one LOP3 (a & 0x0E000E00) | b)."""
+    lines = [".reg .b32 a, b, p;"]
+    for k, (rho, sigma) in enumerate(zip(pair_rotation, sign_rotation)):
+        src = "$8"
+        if rho:
+            lines.append(f"shf.r.wrap.b32 a, $8, $8, {rho};")
+            src = "a"
+        if rho == sigma:
+            lines.append(f"and.b32 p, {src}, 0x8E008E00;")
+        else:
+            lines.append(f"shf.r.wrap.b32 b, $8, $8, {sigma}; and.b32 b, b, 0x80008000;")
+            lines.append(f"lop3.b32 p, {src}, b, 0x0E000E00, 0xEC;")
+        lines.append(f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, p;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+K_WORD_ASM = tl.constexpr(_word_asm(WORD_PAIR_ROTATION, WORD_SIGN_ROTATION))   # 11 instructions
+V_WORD_ASM = tl.constexpr(_word_asm(VWORD_PAIR_ROTATION, VWORD_SIGN_ROTATION))  # 11 as well
+# the layouts' rotations for the portable decoder and the packers
+KR0, KR1, KR2, KR3 = (tl.constexpr(r) for r in WORD_PAIR_ROTATION)
+KS0, KS1, KS2, KS3 = (tl.constexpr(r) for r in WORD_SIGN_ROTATION)
+VR0, VR1, VR2, VR3 = (tl.constexpr(r) for r in VWORD_PAIR_ROTATION)
+VS0, VS1, VS2, VS3 = (tl.constexpr(r) for r in VWORD_SIGN_ROTATION)
 # Factors the fp16 bit tricks leave on the decoded values (folded by callers).
 E2M1_FP16_FACTOR = tl.constexpr(16384.0) # e2m1 = decoded * 2**14
 E4M3_FP16_FACTOR = tl.constexpr(256.0) # e4m3 = decoded * 2**8
@@ -85,21 +108,43 @@ def _rotr(w, r: tl.constexpr):
 
 
 @triton.jit
+def _by_pair(k, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr):
+    return tl.where(k == 0, T0, tl.where(k == 1, T1, tl.where(k == 2, T2, T3)))
+
+
+@triton.jit
+def _place(codes, mag_pos, sign_pos):
+    """4-bit codes (uint32) -> their bits in a word: magnitude rotated left by mag_pos, sign at
+    sign_pos (uint32 positions < 32)."""
+    mag = codes & 7
+    return (mag << mag_pos) | (mag >> ((32 - mag_pos) % 32)) | ((codes >> 3) << sign_pos)
+
+
+@triton.jit
 def e2m1_pack_words(codes):
-    """4-bit codes [..., 8] (int32; the 8 elements of each word in order) -> int32 words [...]
-    in format.py's word layout: element e = 2k + p at bits (9 + 16p + 3k) % 32 .. +2 (rotated
-    in 32 bits), its sign at (15 + 16p + WORD_SIGN_ROTATION[k]) % 32."""
+    """4-bit codes [..., 8] (int32; the 8 elements of each word in order) -> int32 K words [...]
+    in format.py's K word layout: element e = 2k + p at bits (9 + 16p + WORD_PAIR_ROTATION[k])
+    % 32 .. +2 (rotated in 32 bits), its sign at (15 + 16p + WORD_SIGN_ROTATION[k]) % 32."""
     e = tl.arange(0, 8)
     k = e // 2
     p = e % 2
-    rho = 3 * k
-    sigma = tl.where(k == 0, SIGN_ROT_0, tl.where(k == 1, SIGN_ROT_1, rho))
-    mag_pos = ((9 + 16 * p + rho) % 32).to(tl.uint32)
-    sign_pos = ((15 + 16 * p + sigma) % 32).to(tl.uint32)
-    c = codes.to(tl.uint32)
-    mag = c & 7
-    bits = (mag << mag_pos) | (mag >> ((32 - mag_pos) % 32)) | ((c >> 3) << sign_pos)
+    mag_pos = ((9 + 16 * p + _by_pair(k, KR0, KR1, KR2, KR3)) % 32).to(tl.uint32)
+    sign_pos = ((15 + 16 * p + _by_pair(k, KS0, KS1, KS2, KS3)) % 32).to(tl.uint32)
+    bits = _place(codes.to(tl.uint32), mag_pos, sign_pos)
     return tl.sum(bits, axis=len(codes.shape) - 1).to(tl.int32, bitcast=True)  # disjoint: sum = or
+
+
+@triton.jit
+def e2m1_pack_v_token(codes, p):
+    """4-bit codes [..., 4] (int32; head-dim elements 4q .. 4q+3 of one token) and the token's
+    V slot parity p (0 / 1) -> the token's bits of its V words [...] (uint32; format.py's V word
+    layout: element 2k + p at (9 + 16p + VWORD_PAIR_ROTATION[k]) % 32 ..). They fill bytes 1-2
+    (p = 0) or bytes 3 and 0 (p = 1) of the word."""
+    k = tl.arange(0, 4)
+    mag_pos = ((9 + 16 * p + _by_pair(k, VR0, VR1, VR2, VR3)) % 32).to(tl.uint32)
+    sign_pos = ((15 + 16 * p + _by_pair(k, VS0, VS1, VS2, VS3)) % 32).to(tl.uint32)
+    bits = _place(codes.to(tl.uint32), mag_pos, sign_pos)
+    return tl.sum(bits, axis=len(codes.shape) - 1)                        # disjoint: sum = or
 
 
 # Decoded rows hold true values * 2**-7: e2m1 * 2**-14 times an fp16 scale of e4m3 * 2**7
@@ -108,32 +153,26 @@ ROW_FACTOR = tl.constexpr(128.0)
 
 
 @triton.jit
-def e2m1_word_fp16(word):
-    """CUDA only. int32 data words (format.py's word layout) -> their 8 elements n0..n7 as fp16
-    tensors holding value * 2**-14. Pair k (n2k, n2k+1) is one fp16x2 register: the word rotated
-    right by 3k (a funnel shift) has the magnitudes at bits 9..11 / 25..27; pairs 2 and 3 find
-    their signs at 15 / 31 in the same rotation (one AND with 0x8E008E00), pairs 0 and 1 take
-    them from a second rotation (AND 0x80008000, then one LOP3 (a & 0x0E000E00) | b). 11
-    instructions per word (17 for two nibbles per byte). Each register is a natural element
-    pair, what the MMA operands want."""
+def e2m1_word_fp16(word, V: tl.constexpr = False):
+    """CUDA only. int32 data words (format.py's K word layout, or its V word layout where V)
+    -> their 8 elements n0..n7 as fp16 tensors holding value * 2**-14. Pair k (n2k, n2k+1) is
+    one fp16x2 register (_word_asm: 11 instructions per word in either layout, 17 for two
+    nibbles per byte): natural element pairs of a token for K, one element of a token pair
+    for V, what the MMA operands want."""
+    if V:
+        return tl.inline_asm_elementwise(
+            asm=V_WORD_ASM, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[word],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 a, b, p;
-        shf.r.wrap.b32 b, $8, $8, 23; and.b32 b, b, 0x80008000;
-        lop3.b32 p, $8, b, 0x0E000E00, 0xEC; mov.b32 {$0, $1}, p;
-        shf.r.wrap.b32 a, $8, $8, 3; shf.r.wrap.b32 b, $8, $8, 24; and.b32 b, b, 0x80008000;
-        lop3.b32 p, a, b, 0x0E000E00, 0xEC; mov.b32 {$2, $3}, p;
-        shf.r.wrap.b32 a, $8, $8, 6; and.b32 p, a, 0x8E008E00; mov.b32 {$4, $5}, p;
-        shf.r.wrap.b32 a, $8, $8, 9; and.b32 p, a, 0x8E008E00; mov.b32 {$6, $7}, p;
-        }
-        """,
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
-        args=[word],
-        dtype=(tl.float16,) * 8,
-        is_pure=True,
-        pack=1,
-    )
+        asm=K_WORD_ASM, constraints="=h,=h,=h,=h,=h,=h,=h,=h,r", args=[word],
+        dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _scaled_rows(vals, sc, R: tl.constexpr, G_PAD: tl.constexpr):
+    """Decoded values [R, ..] of groups [R, G_PAD] (in order) times their E4M3 scales."""
+    vals = tl.reshape(vals, (R, G_PAD, 16))
+    return tl.reshape(vals * e4m3_scale_fp16(sc)[:, :, None], (R, G_PAD * 16))
 
 
 @triton.jit
@@ -143,20 +182,40 @@ def load_page_rows(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.co
     """Dequantize rows of one side of paged NVFP4 pages (format.py). page_off [R] int64 byte
     offset of each row's page, row [R] = head * N + token-in-page, tmask [R] valid rows.
     Returns fp16 [R, 16 * G_PAD] in natural element order = true values * 2**-7 (ROW_FACTOR),
-    zeros where masked or padded: the row's 16-value groups G_FIRST .. G_FIRST + G_PAD - 1."""
+    zeros where masked or padded: the row's 16-value groups G_FIRST .. G_FIRST + G_PAD - 1.
+    V rows must come in pairs of a page's tokens 2i, 2i + 1 (rows 2j, 2j + 1; tmask may
+    differ), so each token-pair word is decoded once for both."""
     G: tl.constexpr = D // 16
     R: tl.constexpr = row.shape[0]
     side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + G))
     gi = G_FIRST + tl.arange(0, G_PAD)
-    sc = tl.load((side + H * N * (D // 2) + row * G)[:, None] + gi[None, :],
-                 mask=tmask[:, None] & (gi < G)[None, :], other=0)
-    s16 = e4m3_scale_fp16(sc)
-    w = 2 * G_FIRST + tl.arange(0, G_PAD * 2)  # 32-bit words: D/2 and page offsets are 4-aligned
-    words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, None] + w[None, :],
-                    mask=tmask[:, None] & (w < D // 8)[None, :], other=0)
-    vals = word_values(words, USE_ASM)                              # [R, W, 2, 2, 2]
-    vals = tl.reshape(vals, (R, G_PAD, 16))
-    return tl.reshape(vals * s16[:, :, None], (R, G_PAD * 16))
+    gmask = tmask[:, None] & (gi < G)[None, :]
+    if SIDE == 0:
+        sc = tl.load((side + H * N * (D // 2) + row * G)[:, None] + gi[None, :], mask=gmask,
+                     other=0)
+        w = 2 * G_FIRST + tl.arange(0, G_PAD * 2)  # 32-bit words: D/2 and page offsets 4-aligned
+        words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, None]
+                        + w[None, :], mask=tmask[:, None] & (w < D // 8)[None, :], other=0)
+        return _scaled_rows(word_values(words, USE_ASM), sc, R, G_PAD)
+    sc = tl.load((side + H * N * (D // 2) + (row // N) * (N * G) + v_slot(row % N))[:, None]
+                 + gi[None, :] * N, mask=gmask, other=0)
+    row2, _ = tl.split(tl.reshape(row, (R // 2, 2)))            # the pairs' first rows
+    m0, m1 = tl.split(tl.reshape(tmask, (R // 2, 2)))
+    s0, s1 = tl.split(tl.reshape(side, (R // 2, 2)))
+    side2 = tl.where(m0, s0, s1)                     # a masked row's page may be a stand-in
+    q = 4 * G_FIRST + tl.arange(0, G_PAD * 4)      # quads: word (q, slot // 2)
+    words = tl.load((side2 + (row2 // N) * (N * (D // 2))).to(tl.pointer_type(tl.int32))[:, None]
+                    + (q * (N // 2))[None, :] + (v_slot(row2 % N) // 2)[:, None],
+                    mask=(m0 | m1)[:, None] & (q < D // 4)[None, :], other=0)
+    vals = tl.reshape(word_values(words, USE_ASM, True), (R // 2, G_PAD * 4, 4, 2))
+    vals = tl.reshape(tl.permute(vals, (0, 3, 1, 2)), (R, G_PAD * 16))  # rows (pair, parity)
+    return _scaled_rows(vals, sc, R, G_PAD)
+
+
+@triton.jit
+def v_slot(t):
+    """format.v_slot: within each 16 tokens, t = 8a + 2b + p -> slot 4b + 2a + p."""
+    return (t & ~15) | (((t >> 1) & 3) << 2) | (((t >> 3) & 1) << 1) | (t & 1)
 
 
 @triton.jit
@@ -168,24 +227,30 @@ def _pair_fp16(w, RHO: tl.constexpr, SIGMA: tl.constexpr):
 
 
 @triton.jit
-def e2m1_word_fp16_portable(word):
+def e2m1_word_fp16_portable(word, V: tl.constexpr = False):
     """e2m1_word_fp16 as a per-element formula (interpreter, any GPU): 8 fp16 tensors."""
     w = word.to(tl.uint32, bitcast=True)
-    n0, n1 = _pair_fp16(w, 0, SIGN_ROT_0)
-    n2, n3 = _pair_fp16(w, 3, SIGN_ROT_1)
-    n4, n5 = _pair_fp16(w, 6, 6)
-    n6, n7 = _pair_fp16(w, 9, 9)
+    if V:
+        n0, n1 = _pair_fp16(w, VR0, VS0)
+        n2, n3 = _pair_fp16(w, VR1, VS1)
+        n4, n5 = _pair_fp16(w, VR2, VS2)
+        n6, n7 = _pair_fp16(w, VR3, VS3)
+    else:
+        n0, n1 = _pair_fp16(w, KR0, KS0)
+        n2, n3 = _pair_fp16(w, KR1, KS1)
+        n4, n5 = _pair_fp16(w, KR2, KS2)
+        n6, n7 = _pair_fp16(w, KR3, KS3)
     return n0, n1, n2, n3, n4, n5, n6, n7
 
 
 @triton.jit
-def word_values(words, USE_ASM: tl.constexpr):
-    """int32 words [...] -> their 8 elements as fp16 [..., 2, 2, 2] (element 4 e2 + 2 e1 + e0),
-    value * 2**-14 (e2m1_word_fp16, or its portable formula)."""
+def word_values(words, USE_ASM: tl.constexpr, V: tl.constexpr = False):
+    """int32 words [...] (K layout, or V where V) -> their 8 elements as fp16 [..., 2, 2, 2]
+    (element 4 e2 + 2 e1 + e0), value * 2**-14 (e2m1_word_fp16, or its portable formula)."""
     if USE_ASM:
-        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words)
+        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16(words, V)
     else:
-        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16_portable(words)
+        n0, n1, n2, n3, n4, n5, n6, n7 = e2m1_word_fp16_portable(words, V)
     return tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)),
                    tl.join(tl.join(n1, n5), tl.join(n3, n7)))
 
@@ -241,6 +306,77 @@ def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.con
     # dims: rep h w r c1 c0 j1 j0 e2 e1 e0 -> rows (rep w h r), columns (j1 j0 e2 e1 c1 c0 e0)
     vals = tl.permute(vals, (0, 2, 1, 3, 6, 7, 8, 9, 4, 5, 10))
     return tl.reshape(vals, (REP * W * 16, D))
+
+
+@triton.jit
+def vt_row_to_d(i):
+    """Head-dim element held by row i of load_vt_mma's V^T (D = 128): row
+    i = 64 m + 16 w + 8 h + r holds d = 4 (8 w + r) + 2 m + h (quad 8 w + r, element 2 m + h)."""
+    return 4 * (8 * ((i >> 4) & 3) + (i & 7)) + 2 * (i >> 6) + ((i >> 3) & 1)
+
+
+@triton.jit
+def load_vt_mma(cache_ptr, chunk_off, chunk_tok, tok0, hi, head, H: tl.constexpr,
+                N: tl.constexpr, USE_ASM: tl.constexpr):
+    """Dequantize V^T of a tile of 16 S tokens (D = 128, 4 warps) from V's token-pair words,
+    already in the register layout of a Hopper wgmma A operand (rows: head dim, contraction:
+    tokens), so no shared-memory transpose. The tile is S chunks of 16 tokens: chunk s starts
+    at token tok0 + 16 s, in the page at byte offset chunk_off [S] (int64) at token
+    chunk_tok [S]; tokens >= hi are masked. Thread (warp w, lane 4 r + c) loads quad 8 w + r of
+    V slots 4c .. 4c+3 (tokens 2c, 2c+1, 2c+8, 2c+9: one 8-byte and one 4-byte load per chunk).
+    Returns fp16 [128, 16 S] = true values * 2**-7, rows in vt_row_to_d order, columns the
+    tile's tokens in order."""
+    D: tl.constexpr = 128
+    S: tl.constexpr = chunk_off.shape[0]
+    s = tl.arange(0, S)[:, None, None, None]
+    w = tl.arange(0, 4)[None, :, None, None]
+    r = tl.arange(0, 8)[None, None, :, None]
+    c = tl.arange(0, 4)[None, None, None, :]
+    side = cache_ptr + chunk_off[:, None, None, None] + H * N * (D // 2 + D // 16)
+    slot0 = chunk_tok[:, None, None, None]           # the chunk's first V slot (16-aligned)
+    mask = tok0 + 16 * s + 2 * c < hi                # the chunk's slots 4c .. 4c+3 hold a token
+    u = tl.arange(0, 2)[None, None, None, None, :]
+    words = tl.load(((side + head * (N * (D // 2))).to(tl.pointer_type(tl.int32))
+                     + (8 * w + r) * (N // 2) + slot0 // 2 + 2 * c)[:, :, :, :, None] + u,
+                    mask=mask[:, :, :, :, None], other=0)                 # [S, w, r, c, u]
+    # the scales of slots 4c .. 4c+3 (= 4c + 2u + p): one 32-bit load
+    sc = tl.load((side + H * N * (D // 2) + head * (N * (D // 16)) + (2 * w + r // 4) * N
+                  + slot0 + 4 * c).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    s16 = _e4m3_word_fp16(sc, USE_ASM) * tl.full((), 32768.0, tl.float16)  # [.., u, p]
+    vals = word_values(words, USE_ASM, True)                              # [.., u, m, h, p]
+    vals = vals * s16[:, :, :, :, :, None, None, :]
+    # dims: s w r c u m h p -> rows (m w h r), columns (s u c p) = token 16 s + 8 u + 2 c + p
+    return tl.reshape(tl.permute(vals, (5, 1, 6, 2, 0, 4, 3, 7)), (D, 16 * S))
+
+
+@triton.jit
+def _e4m3_word_fp16(word, USE_ASM: tl.constexpr):
+    """int32 words of 4 E4M3 codes (sign bits ignored) -> fp16 [..., 2, 2] (byte 2 i + j at
+    [i, j]) holding value * 2**-8 (e4m3_decode_fp16). CUDA: per byte pair one PRMT that puts
+    the two bytes in the two halves, then a shift and a mask."""
+    if USE_ASM:
+        a, b, c, d = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 x;
+            prmt.b32 x, $4, 0, 0x4140; shl.b32 x, x, 7; and.b32 x, x, 0x3F803F80;
+            mov.b32 {$0, $1}, x;
+            prmt.b32 x, $4, 0, 0x4342; shl.b32 x, x, 7; and.b32 x, x, 0x3F803F80;
+            mov.b32 {$2, $3}, x;
+            }
+            """,
+            constraints="=h,=h,=h,=h,r", args=[word], dtype=(tl.float16,) * 4, is_pure=True,
+            pack=1)
+    else:
+        a, b, c, d = (_e4m3_byte_fp16(word, 0), _e4m3_byte_fp16(word, 8),
+                      _e4m3_byte_fp16(word, 16), _e4m3_byte_fp16(word, 24))
+    return tl.join(tl.join(a, c), tl.join(b, d))
+
+
+@triton.jit
+def _e4m3_byte_fp16(word, SHIFT: tl.constexpr):
+    """The E4M3 code at bit SHIFT of int32 words -> e4m3_decode_fp16 of it."""
+    return e4m3_decode_fp16(((word >> SHIFT) & 0xFF).to(tl.uint8))
 
 
 @triton.jit

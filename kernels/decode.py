@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .codec import ROW_FACTOR, load_page_rows, load_tile_mma, mma_col_to_d
+from .codec import (ROW_FACTOR, load_page_rows, load_tile_mma, load_vt_mma, mma_col_to_d,
+                    vt_row_to_d)
 from .format import PageLayout
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -42,16 +43,17 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
                    D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr,
-                   NW: tl.constexpr, V_HALVES: tl.constexpr):
+                   NW: tl.constexpr, V_HALVES: tl.constexpr, MMA_V: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = 0
-    if HAS_WINDOW:
+    if HAS_WINDOW:  # tiles start at multiples of 16 (load_vt_mma's chunks); keys < start masked
         start = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - start, num_splits), BLOCK_N) * BLOCK_N
-    lo = start + split * per_split
+    base = start // 16 * 16
+    per_split = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+    lo = base + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
     gq = tl.arange(0, QG_PAD)
@@ -59,6 +61,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     d = tl.arange(0, G_PAD * 16)
     qo_mask = (gq < QPK)[:, None] & (d < D)[None, :]
     qd = mma_col_to_d(d) if MMA_K else d  # Q's head dim in the order K is decoded in
+    od = vt_row_to_d(d) if MMA_V else d   # the output's, in the order V^T is decoded in
     q_rows = q_ptr + b * stride_qt + heads[:, None] * stride_qh
     q = _load_q(q_rows, qd, qo_mask)
 
@@ -69,7 +72,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     l_i = tl.zeros([QG_PAD], tl.float32)
     if MMA_K:
         l_acc = tl.zeros([QG_PAD, NW, 8], tl.float32)  # l summed within threads
-    if V_HALVES:  # transposed: [D, heads], in two halves
+    if MMA_V:
+        acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)
+    elif V_HALVES:  # transposed: [D, heads], in two halves
         acc_lo = tl.zeros([G_PAD * 8, QG_PAD], tl.float32)
         acc_hi = tl.zeros([G_PAD * 8, QG_PAD], tl.float32)
     else:
@@ -77,6 +82,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     for n0 in range(lo, hi, BLOCK_N):
         page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
                                        n0 + tl.arange(0, BLOCK_N), hi, N)
+        if HAS_WINDOW:
+            tmask = tmask & (n0 + tl.arange(0, BLOCK_N) >= start)
         if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
             off4, row4, mask4 = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
                                         n0 + _mma_rows(BLOCK_N, NW), hi, N)
@@ -102,7 +109,14 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         else:
             l_i = l_i * alpha + tl.sum(p, axis=1)
         pt = tl.trans(p.to(tl.float16))
-        if V_HALVES:  # half the head dim at a time: half the shared-memory staging of V^T
+        if MMA_V:  # V^T straight into the A operand's registers (codec.load_vt_mma)
+            chunk = n0 + 16 * tl.arange(0, BLOCK_N // 16)
+            blk = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=chunk < hi,
+                          other=0)
+            vt = load_vt_mma(cache_ptr, blk.to(tl.int64) * page_stride,
+                             tl.multiple_of(chunk % N, 16), n0, hi, kvh, H, N, USE_ASM)
+            acc = tl.dot(vt, pt, acc * alpha[None, :])
+        elif V_HALVES:  # half the head dim at a time: half the shared-memory staging of V^T
             v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD // 2,
                                USE_ASM, 0)
             acc_lo = tl.dot(tl.trans(v), pt, acc_lo * alpha[None, :])
@@ -116,7 +130,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
 
     if MMA_K:
         l_i = tl.sum(tl.sum(l_acc, axis=2), axis=1)
-    if V_HALVES:  # [D/2, heads] x 2 -> [D, heads]
+    if V_HALVES and not MMA_V:  # [D/2, heads] x 2 -> [D, heads]
         acc = tl.reshape(tl.permute(tl.join(acc_lo, acc_hi), (2, 0, 1)),
                          (G_PAD * 16, QG_PAD))
     acc = tl.trans(acc)
@@ -129,13 +143,13 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
             l_i = l_i * keep + tl.exp2(sink - m_f)
             out_mult = out_mult * keep
         inv = tl.where(l_i > 0, out_mult / l_i, 0.0)[:, None]
-        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + od[None, :],
                  (acc * inv).to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
         # partials: out [B, Hq, S, D] fp32 normalised, lse [B, Hq, S] in log2 units
         inv = tl.where(l_i > 0, out_mult / l_i, 0.0)[:, None]
         prow = (b * (H * QPK) + heads) * num_splits + split
-        tl.store(part_out_ptr + prow[:, None] * D + d[None, :], acc * inv, mask=qo_mask)
+        tl.store(part_out_ptr + prow[:, None] * D + od[None, :], acc * inv, mask=qo_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(part_lse_ptr + prow, lse, mask=gq < QPK)
 
@@ -245,7 +259,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      max_seq_len: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int = 2,
                      use_asm: bool | None = None, mma_k: bool | None = None,
-                     v_halves: bool = True) -> torch.Tensor:
+                     v_halves: bool = True, mma_v: bool | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -277,6 +291,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         raise ValueError(f"block_n must be 32, 64, 128 or 256, got {block_n}")
     qpk = hq // hkv
     mma_ok = mma_k_applies(d, num_warps, block_n)
+    mma_k = mma_ok and (has_wgmma(dev) if mma_k is None else mma_k)
+    mma_v = mma_k and num_warps == 4 if mma_v is None else mma_v
+    assert not mma_v or (mma_k and num_warps == 4), "mma_v needs mma_k and 4 warps"
     k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
     v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)
     # the split count is a runtime argument (S_PAD covers up to 64): an eager mixed batch
@@ -296,8 +313,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         SPLIT=num_splits > 1, USE_ASM=dev.type == "cuda" if use_asm is None else use_asm,
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
-        MMA_K=mma_ok and (has_wgmma(dev) if mma_k is None else mma_k), NW=num_warps,
-        V_HALVES=v_halves and d >= 32, num_warps=num_warps, num_stages=num_stages)
+        MMA_K=mma_k, NW=num_warps,
+        V_HALVES=v_halves and d >= 32, MMA_V=mma_v, num_warps=num_warps,
+        num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](
             part_out, part_lse, sinks_arg, out, out.stride(0), out.stride(1), num_splits,

@@ -6,19 +6,34 @@ vLLM 0.26's ``page_size_bytes`` for ``KVQuantMode.NVFP4``. The F-byte rows only 
 inside a page the bytes are laid out by side (K then V), each side head-major::
 
     page = [ K data | K scales | V data | V scales ]
-    data   [heads][block_size][D/2]   little-endian 32-bit words, word j = elements 8j .. 8j+7
-    scales [heads][block_size][D/16]  one E4M3 byte per 16 consecutive elements, linear (no swizzle)
+    K data   [heads][block_size][D/8]  little-endian 32-bit words, word j = elements 8j .. 8j+7
+    K scales [heads][block_size][D/16] one E4M3 byte per 16 consecutive elements
+    V data   [heads][D/4][block_size/2] words: word (q, j) = elements 4q .. 4q+3 of the two
+                                        tokens at V slots 2j, 2j+1 (a token pair)
+    V scales [heads][D/16][block_size] byte (g, slot): group g of the token at that V slot
 
-Inside a data word, element e = 2k + p (pair k = 0..3, p = 0 low / 1 high half) keeps its
-3-bit magnitude code at bits WORD_MAG_BITS[e] .. +2 (mod 32: element 5 uses bits 31, 0, 1)
-and its sign at bit WORD_SIGN_BITS[e]. Why not two nibbles per byte: rotating the word right
-by 3k brings pair k's magnitudes to bits 9..11 and 25..27 of an fp16x2 register, where with
-the sign at bit 15 / 31 they read as ``value * 2**-14`` (codec.py); the signs sit in the 8
-bits the magnitudes leave free, two pairs' already beside their magnitudes. Decoding a word
-takes 11 GPU instructions instead of 17 for nibbles (codec.e2m1_word_fp16).
+Scales are linear (no swizzle). V is stored token-pair-major because the decode kernel's
+second product, O^T = V^T P^T, contracts over tokens: the Hopper wgmma register operand wants
+one 32-bit register to hold one head-dim element of two consecutive tokens, which a V word
+decodes into directly (no shared-memory transpose). Token t of a page sits at V slot
+``v_slot(t)``: within each 16 tokens, t = 8a + 2b + p goes to slot 4b + 2a + p, so the lane
+that loads slots 4c .. 4c+3 (one 8-byte load of two words, one 4-byte load of scales) holds
+tokens 2c, 2c+1, 2c+8, 2c+9, the operand's columns for that lane.
 
-Both sides use linear scales (vLLM 0.26's SM100 writer swizzles the V scales for trtllm-gen;
-this format does not, and only this package's kernels read it).
+Inside a K word, element e = 2k + p (pair k = 0..3, p = 0 low / 1 high half) keeps its 3-bit
+magnitude code at bits WORD_MAG_BITS[e] .. +2 (mod 32: element 5 uses bits 31, 0, 1) and its
+sign at bit WORD_SIGN_BITS[e]. Inside a V word, element e = 2k + p is head-dim element 4q + k
+of the token with slot parity p, at VWORD_MAG_BITS[e] / VWORD_SIGN_BITS[e]; the token with
+p = 0 owns bytes 1-2 of the word, the one with p = 1 bytes 3 and 0, so the writer stores whole
+bytes of one token. Why not two nibbles per byte: rotating a word right by its layout's
+PAIR_ROTATION[k] brings pair k's magnitudes to bits 9..11 and 25..27 of an fp16x2 register,
+where with the sign at bit 15 / 31 (rotation SIGN_ROTATION[k]) they read as
+``value * 2**-14`` (codec.py); where both rotations are equal one AND finishes the pair.
+Decoding a word takes 11 GPU instructions in either layout instead of 17 for nibbles
+(codec.e2m1_word_fp16).
+
+vLLM 0.26's SM100 writer swizzles the V scales for trtllm-gen and keeps V in rows; this format
+does not, and only this package's kernels read it.
 
 Encoding of 16 values x[0:16] of one (side, head, token, group) with the layer's FP32 global
 scale ``g`` (vLLM's ``k_scale`` / ``v_scale``; 1.0 when the checkpoint has none)::
@@ -50,13 +65,30 @@ from __future__ import annotations
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 GROUP_SIZE = 16  # values per E4M3 block scale
-# The bits of a data word (see above): rotating it right by WORD_PAIR_ROTATION[k] puts pair k's
-# magnitudes at bits 9..11 / 25..27; by WORD_SIGN_ROTATION[k], its signs at bits 15 / 31.
-WORD_PAIR_ROTATION = (0, 3, 6, 9)
+# The bits of a data word (see above): rotating it right by *_PAIR_ROTATION[k] puts pair k's
+# magnitudes at bits 9..11 / 25..27; by *_SIGN_ROTATION[k], its signs at bits 15 / 31.
+WORD_PAIR_ROTATION = (0, 3, 6, 9)      # K words
 WORD_SIGN_ROTATION = (23, 24, 6, 9)
-WORD_MAG_BITS = tuple((9 + 16 * p + WORD_PAIR_ROTATION[k]) % 32 for k in range(4) for p in (0, 1))
-WORD_SIGN_BITS = tuple((15 + 16 * p + WORD_SIGN_ROTATION[k]) % 32 for k in range(4)
-                       for p in (0, 1))
+VWORD_PAIR_ROTATION = (0, 7, 3, 10)    # V words: p = 0's 16 bits are exactly bits 8..23
+VWORD_SIGN_ROTATION = (0, 7, 8, 25)
+
+
+def word_bits(pair_rotation, sign_rotation):
+    """(magnitude bit, sign bit) of elements e = 2k + p, 0..7, of a word layout."""
+    return (tuple((9 + 16 * p + pair_rotation[k]) % 32 for k in range(4) for p in (0, 1)),
+            tuple((15 + 16 * p + sign_rotation[k]) % 32 for k in range(4) for p in (0, 1)))
+
+
+WORD_MAG_BITS, WORD_SIGN_BITS = word_bits(WORD_PAIR_ROTATION, WORD_SIGN_ROTATION)
+VWORD_MAG_BITS, VWORD_SIGN_BITS = word_bits(VWORD_PAIR_ROTATION, VWORD_SIGN_ROTATION)
+
+
+def v_slot(t):
+    """V slot of token t of a page (int or integer tensor): within each 16 tokens,
+    t = 8a + 2b + p -> 4b + 2a + p."""
+    return (t & ~15) | (((t >> 1) & 3) << 2) | (((t >> 3) & 1) << 1) | (t & 1)
+
+
 # E2M1 magnitudes by 3-bit code; bit 3 of a 4-bit code is the sign.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Decision thresholds on |x * r| between consecutive codes. At a tie the even code wins:
@@ -96,6 +128,8 @@ class PageLayout:
 
     def __init__(self, block_size: int, num_kv_heads: int, head_dim: int):
         check_head_dim(head_dim)
+        if block_size % 16:
+            raise ValueError(f"NVFP4 KV needs block_size a multiple of 16, got {block_size}")
         self.block_size, self.num_kv_heads, self.head_dim = block_size, num_kv_heads, head_dim
         self.data_bytes = head_dim // 2            # per (head, token)
         self.scale_bytes = head_dim // GROUP_SIZE  # per (head, token)
@@ -103,9 +137,23 @@ class PageLayout:
         self.side_bytes = num_kv_heads * block_size * (self.data_bytes + self.scale_bytes)
         self.page_bytes = 2 * self.side_bytes
 
-    def data_offset(self, side: int, head: int, token: int) -> int:
-        return side * self.side_bytes + (head * self.block_size + token) * self.data_bytes
+    def data_offsets(self, side: int, head: int, token: int) -> list[int]:
+        """The D/2 data bytes of (side, head, token). K: one contiguous row. V: for each
+        quad q, the two bytes the token owns in word (q, v_slot(token) // 2), low first."""
+        base = side * self.side_bytes + head * self.block_size * self.data_bytes
+        if side == 0:
+            return list(range(base + token * self.data_bytes,
+                              base + (token + 1) * self.data_bytes))
+        slot = v_slot(token)
+        words = [base + 4 * (q * (self.block_size // 2) + slot // 2)
+                 for q in range(self.head_dim // 4)]
+        p = slot % 2
+        return [w + b for w in words for b in (1 + 2 * p, (2 + 2 * p) % 4)]
 
-    def scale_offset(self, side: int, head: int, token: int) -> int:
-        return (side * self.side_bytes + self.side_data
-                + (head * self.block_size + token) * self.scale_bytes)
+    def scale_offsets(self, side: int, head: int, token: int) -> list[int]:
+        """The D/16 scale bytes of (side, head, token), group order."""
+        base = side * self.side_bytes + self.side_data + head * self.block_size * self.scale_bytes
+        if side == 0:
+            return list(range(base + token * self.scale_bytes,
+                              base + (token + 1) * self.scale_bytes))
+        return [base + g * self.block_size + v_slot(token) for g in range(self.scale_bytes)]

@@ -22,13 +22,15 @@ def _gather_kernel(cache_ptr, block_table_ptr, cu_tokens_ptr, seq_starts_ptr, ou
     h = tl.program_id(2)
     out0 = tl.load(cu_tokens_ptr + b)
     count = tl.load(cu_tokens_ptr + b + 1) - out0
-    if tile * BLOCK_T >= count:
+    first = tl.load(seq_starts_ptr + b)
+    lead = first % 2  # tiles start at even positions: V rows come in token pairs (codec)
+    if tile * BLOCK_T >= count + lead:
         return
     if HAS_OUT_STARTS:
         out0 = tl.load(out_starts_ptr + b)
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = t < count
-    pos = tl.load(seq_starts_ptr + b) + t
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T) - lead   # index of the token in the sequence's
+    tmask = (t >= 0) & (t < count)                       # range
+    pos = first + t
     blk = tl.load(block_table_ptr + b * stride_bt + pos // N, mask=tmask, other=0)
     page_off = blk.to(tl.int64) * page_stride
     row = h * N + pos % N
@@ -70,7 +72,7 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: t
     assert k_out.stride() == v_out.stride() and k_out.stride(-1) == 1
     dev = kv_cache.device
     block_t = 32 if d <= 128 else 16
-    grid = (b, triton.cdiv(max_tokens, block_t), h)
+    grid = (b, triton.cdiv(max_tokens + 1, block_t), h)  # + 1: tiles start at even positions
     _gather_kernel[grid](
         kv_cache, block_table, cu_tokens, seq_starts,
         out_starts if out_starts is not None else cu_tokens, k_out, v_out,

@@ -10,7 +10,8 @@ import math
 import torch
 
 from .format import (E2M1_MAX, E2M1_THRESHOLDS, E2M1_VALUES, E4M3_MAX, GROUP_SIZE,
-                     WORD_MAG_BITS, WORD_SIGN_BITS, PageLayout)
+                     VWORD_MAG_BITS, VWORD_SIGN_BITS, WORD_MAG_BITS, WORD_SIGN_BITS, PageLayout,
+                     v_slot)
 
 
 # ---------------------------------------------------------------- scalar formats
@@ -50,8 +51,9 @@ def _encode_blocks(xb: torch.Tensor, amax: torch.Tensor, g: torch.Tensor, target
     return s, e2m1_encode(xb * r), scale
 
 
-def quantize(x: torch.Tensor, global_scale: float | torch.Tensor, four_over_six: bool = False):
-    """x [..., D] -> (data [..., D/2] uint8, scales [..., D/16] uint8).
+def quantize_codes(x: torch.Tensor, global_scale: float | torch.Tensor,
+                   four_over_six: bool = False):
+    """x [..., D] -> (4-bit codes [..., D] uint8, scales [..., D/16] uint8).
 
     four_over_six: per block, also try the scale that maps amax to 4 instead of 6 (a finer
     grid near amax) and keep it where its squared error is strictly smaller. Same format."""
@@ -66,61 +68,115 @@ def quantize(x: torch.Tensor, global_scale: float | torch.Tensor, four_over_six:
         err4 = ((e2m1_decode(code4) * scale4 - xf) ** 2).sum(-1, keepdim=True)
         use4 = err4 < err6
         s, code = torch.where(use4, s4, s), torch.where(use4, code4, code)
-    return pack_codes(code.flatten(-2)), s.squeeze(-1)
+    return code.flatten(-2), s.squeeze(-1)
 
 
-def _word_bits(device):
-    """format.py's word layout as int64 tensors [8]: magnitude and sign bit of each element."""
-    return (torch.tensor(WORD_MAG_BITS, dtype=torch.int64, device=device),
-            torch.tensor(WORD_SIGN_BITS, dtype=torch.int64, device=device))
+def quantize(x: torch.Tensor, global_scale: float | torch.Tensor, four_over_six: bool = False):
+    """x [..., D] -> (K data [..., D/2] uint8 (K word layout), scales [..., D/16] uint8)."""
+    code, s = quantize_codes(x, global_scale, four_over_six)
+    return pack_codes(code), s
+
+
+def _word_bits(device, mag_bits=WORD_MAG_BITS, sign_bits=WORD_SIGN_BITS):
+    """A word layout of format.py as int64 tensors [8]: magnitude and sign bit of each element."""
+    return (torch.tensor(mag_bits, dtype=torch.int64, device=device),
+            torch.tensor(sign_bits, dtype=torch.int64, device=device))
+
+
+def _place(c: torch.Tensor, mag_pos: torch.Tensor, sign_pos: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (int64) -> their bits in a word: magnitude rotated left by mag_pos in 32
+    bits, sign at sign_pos."""
+    mag = c & 7
+    return (((mag << mag_pos) | (mag >> (32 - mag_pos))) & 0xFFFFFFFF) | ((c >> 3) << sign_pos)
 
 
 def pack_codes(code: torch.Tensor) -> torch.Tensor:
-    """4-bit codes [..., D] (element order) -> data bytes [..., D/2] in the word layout of
+    """4-bit codes [..., D] (element order) -> K data bytes [..., D/2] in the K word layout of
     format.py (WORD_MAG_BITS, WORD_SIGN_BITS; little-endian words of 8 elements)."""
     mag_pos, sign_pos = _word_bits(code.device)
     c = code.to(torch.int64).unflatten(-1, (-1, 8))                      # [..., D/8, 8]
-    mag = c & 7
-    bits = ((mag << mag_pos) | (mag >> (32 - mag_pos))) & 0xFFFFFFFF     # rotate left in 32 bits
-    word = (bits | ((c >> 3) << sign_pos)).sum(-1)                       # disjoint bits
+    word = _place(c, mag_pos, sign_pos).sum(-1)                          # disjoint bits
     data = (word[..., None] >> torch.arange(0, 32, 8, device=code.device)) & 0xFF
     return data.flatten(-2).to(torch.uint8)
 
 
-def unpack_codes(data: torch.Tensor) -> torch.Tensor:
-    """Data bytes [..., D/2] -> 4-bit codes [..., D] (uint8, element order). One int32 pass per
-    element (the CPU backend runs this on every step)."""
-    b = data.to(torch.int32).unflatten(-1, (-1, 4))
-    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+def _unpack_words(word: torch.Tensor, mag_bits, sign_bits) -> torch.Tensor:
+    """int32 words [...] -> their 8 elements' codes [..., 8] (int32)."""
     codes = []
-    for mag_pos, sign_pos in zip(WORD_MAG_BITS, WORD_SIGN_BITS):
+    for mag_pos, sign_pos in zip(mag_bits, sign_bits):
         mag = word >> mag_pos                       # arithmetic shift: masked below
         if mag_pos > 29:                            # the magnitude wraps to bit 0
             mag = (mag & ((1 << (32 - mag_pos)) - 1)) | (word << (32 - mag_pos))
         codes.append((mag & 7) | (((word >> sign_pos) & 1) << 3))
-    return torch.stack(codes, dim=-1).flatten(-2).to(torch.uint8)
+    return torch.stack(codes, dim=-1)
+
+
+def _words(data: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., 4] -> little-endian int32 words [...]."""
+    b = data.to(torch.int32)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def unpack_codes(data: torch.Tensor) -> torch.Tensor:
+    """K data bytes [..., D/2] -> 4-bit codes [..., D] (uint8, element order). One int32 pass
+    per element (the CPU backend runs this on every step)."""
+    word = _words(data.unflatten(-1, (-1, 4)))
+    return _unpack_words(word, WORD_MAG_BITS, WORD_SIGN_BITS).flatten(-2).to(torch.uint8)
+
+
+def pack_v_token(code: torch.Tensor, parity: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [..., D] of tokens with V slot parity `parity` (broadcast to [...]) -> the
+    bytes they own in their V words, [..., D/4, 2]: for quad q, the byte at 1 + 2p of word
+    (q, slot // 2), then the one at (2 + 2p) % 4 (format.py)."""
+    p = parity.to(torch.int64)[..., None, None]                          # [..., 1, 1]
+    mag_tab, sign_tab = (t.view(4, 2) for t in _word_bits(code.device, VWORD_MAG_BITS,
+                                                          VWORD_SIGN_BITS))
+    k = torch.arange(4, device=code.device)
+    mag_pos = mag_tab[k, 0] + 16 * p                                     # [..., 1, 4]
+    sign_pos = sign_tab[k, 0] + 16 * p
+    c = code.to(torch.int64).unflatten(-1, (-1, 4))                      # [..., D/4, 4]
+    word = _place(c, mag_pos % 32, sign_pos % 32).sum(-1)                # [..., D/4]
+    own = (word >> (8 + 16 * p[..., 0])) & 0xFFFF                        # rotate: no wrap
+    own = own | ((word << (24 - 16 * p[..., 0])) & 0xFF00) * p[..., 0]   # p = 1: byte 0 second
+    return torch.stack((own & 0xFF, own >> 8), dim=-1).to(torch.uint8)
+
+
+def unpack_v_token(data: torch.Tensor, parity: torch.Tensor) -> torch.Tensor:
+    """V words as bytes [..., D/4, 4] and the slot parity of the token wanted (broadcast to
+    [...]) -> its 4-bit codes [..., D] (uint8, element order)."""
+    codes = _unpack_words(_words(data), VWORD_MAG_BITS, VWORD_SIGN_BITS)  # [..., D/4, 8]
+    codes = codes.unflatten(-1, (4, 2))                                   # [..., D/4, k, p]
+    p = parity.to(torch.int64)[..., None, None, None].expand(*codes.shape[:-1], 1)
+    return codes.gather(-1, p)[..., 0].flatten(-2).to(torch.uint8)
+
+
+def dequantize_codes(code: torch.Tensor, scales: torch.Tensor,
+                     global_scale: float | torch.Tensor) -> torch.Tensor:
+    """(codes [..., D], scales [..., D/16]) -> fp32 [..., D]."""
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=code.device)
+    vals = e2m1_decode(code).unflatten(-1, (-1, GROUP_SIZE))
+    return (vals * e4m3_decode(scales)[..., None] * g).flatten(-2)
 
 
 def dequantize(data: torch.Tensor, scales: torch.Tensor,
                global_scale: float | torch.Tensor) -> torch.Tensor:
-    """(data [..., D/2], scales [..., D/16]) -> fp32 [..., D]."""
-    g = torch.as_tensor(global_scale, dtype=torch.float32, device=data.device)
-    vals = e2m1_decode(unpack_codes(data)).unflatten(-1, (-1, GROUP_SIZE))
-    return (vals * e4m3_decode(scales)[..., None] * g).flatten(-2)
+    """(K data [..., D/2], scales [..., D/16]) -> fp32 [..., D]."""
+    return dequantize_codes(unpack_codes(data), scales, global_scale)
 
 
 # ---------------------------------------------------------------- paged cache
 def page_views(kv_cache: torch.Tensor, head_dim: int):
-    """Views (k_data, k_scales, v_data, v_scales) of a cache, each [num_blocks, H, N, bytes]."""
+    """Views (k_data [nb, H, N, D/2], k_scales [nb, H, N, D/16], v_data [nb, H, D/4, N/2, 4],
+    v_scales [nb, H, D/16, N]) of a cache's pages (format.py; V indexed by V slot)."""
     nb, two_h, n, _ = kv_cache.shape
     lay = PageLayout(n, two_h // 2, head_dim)
     flat = kv_cache.flatten(1)
-    views = []
-    for side in (0, 1):
-        page = flat[:, side * lay.side_bytes:(side + 1) * lay.side_bytes]
-        views.append(page[:, :lay.side_data].unflatten(1, (lay.num_kv_heads, n, lay.data_bytes)))
-        views.append(page[:, lay.side_data:].unflatten(1, (lay.num_kv_heads, n, lay.scale_bytes)))
-    return tuple(views)
+    h, q, g = lay.num_kv_heads, head_dim // 4, lay.scale_bytes
+    k, v = flat[:, :lay.side_bytes], flat[:, lay.side_bytes:]
+    return (k[:, :lay.side_data].unflatten(1, (h, n, lay.data_bytes)),
+            k[:, lay.side_data:].unflatten(1, (h, n, g)),
+            v[:, :lay.side_data].unflatten(1, (h, q, n // 2, 4)),
+            v[:, lay.side_data:].unflatten(1, (h, g, n)))
 
 
 def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -131,10 +187,34 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     keep = slot_mapping >= 0
     blk, off = slot_mapping[keep] // n, slot_mapping[keep] % n
     kd, ks, vd, vs = page_views(kv_cache, key.shape[-1])
-    for x, g, d, s in ((key, k_scale, kd, ks), (value, v_scale, vd, vs)):
-        data, scales = quantize(x[keep], g, four_over_six)                              # [T', H, *]
-        d[blk, :, off] = data
-        s[blk, :, off] = scales
+    data, scales = quantize(key[keep], k_scale, four_over_six)                          # [T', H, *]
+    kd[blk, :, off] = data
+    ks[blk, :, off] = scales
+    code, scales = quantize_codes(value[keep], v_scale, four_over_six)
+    slot = v_slot(off)
+    p = slot % 2
+    own = pack_v_token(code, p[:, None])                                              # [T', H, Q, 2]
+    vd[blk, :, :, slot // 2, 1 + 2 * p] = own[..., 0]
+    vd[blk, :, :, slot // 2, (2 + 2 * p) % 4] = own[..., 1]
+    vs[blk, :, :, slot] = scales
+
+
+def dequantize_rows(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, head_dim: int,
+                 k_scale, v_scale):
+    """Tokens at (page blk, token-in-page off) [T] -> dequantized fp32 (k, v) [T, H, D]."""
+    kd, ks, vd, vs = page_views(kv_cache, head_dim)
+    slot = v_slot(off)
+    v_codes = unpack_v_token(vd[blk, :, :, slot // 2], (slot % 2)[:, None])
+    return (dequantize(kd[blk, :, off], ks[blk, :, off], k_scale),
+            dequantize_codes(v_codes, vs[blk, :, :, slot], v_scale))
+
+
+def dequantize_pages(kv_cache: torch.Tensor, head_dim: int, k_scale, v_scale):
+    """Every token of every page -> fp32 (k, v), each [num_blocks, H, N, D]."""
+    nb, _, n, _ = kv_cache.shape
+    tok = torch.arange(nb * n, device=kv_cache.device)
+    k, v = dequantize_rows(kv_cache, tok // n, tok % n, head_dim, k_scale, v_scale)
+    return tuple(x.unflatten(0, (nb, n)).transpose(1, 2) for x in (k, v))
 
 
 def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: torch.Tensor,
@@ -143,14 +223,14 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: t
     """Dequantize tokens [seq_starts[b], seq_starts[b] + cu_tokens[b+1] - cu_tokens[b]) of each
     sequence b into contiguous fp32 (k, v), each [cu_tokens[-1], H, D], in batch order."""
     n = kv_cache.shape[2]
-    kd, ks, vd, vs = page_views(kv_cache, head_dim)
     ks_out, vs_out = [], []
     for b in range(block_table.shape[0]):
         count = int(cu_tokens[b + 1] - cu_tokens[b])
         pos = int(seq_starts[b]) + torch.arange(count, device=kv_cache.device)
-        blk, off = block_table[b, pos // n].long(), pos % n
-        ks_out.append(dequantize(kd[blk, :, off], ks[blk, :, off], k_scale))
-        vs_out.append(dequantize(vd[blk, :, off], vs[blk, :, off], v_scale))
+        k, v = dequantize_rows(kv_cache, block_table[b, pos // n].long(), pos % n, head_dim,
+                            k_scale, v_scale)
+        ks_out.append(k)
+        vs_out.append(v)
     return torch.cat(ks_out), torch.cat(vs_out)
 
 

@@ -371,10 +371,32 @@ def test_word_layout():
     # element 16 (word 2, e = 0): 1.0 / (1/6 scale) = 6 -> code 7 at bits 9..11
     assert data[8:12].tolist() == [0x00, 0x0E, 0x00, 0x00]
     assert s.tolist() == [brute_e4m3(1.0), brute_e4m3(1 / 6)]
-    bits = [((F.WORD_MAG_BITS[e] + i) % 32) for e in range(8) for i in range(3)]
-    assert sorted(bits + list(F.WORD_SIGN_BITS)) == list(range(32))
+    for mag_bits, sign_bits in ((F.WORD_MAG_BITS, F.WORD_SIGN_BITS),
+                                (F.VWORD_MAG_BITS, F.VWORD_SIGN_BITS)):
+        bits = [((mag_bits[e] + i) % 32) for e in range(8) for i in range(3)]
+        assert sorted(bits + list(sign_bits)) == list(range(32))
+    # V words: the even token's elements (e = 2k) fill bits 8..23, the odd one's the rest
+    even = [(F.VWORD_MAG_BITS[e] + i) % 32 for e in range(0, 8, 2) for i in range(3)]
+    assert sorted(even + list(F.VWORD_SIGN_BITS[0::2])) == list(range(8, 24))
     codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
     assert torch.equal(R.unpack_codes(R.pack_codes(codes)), codes)
+
+
+def test_v_slots_and_token_pair_words():
+    """v_slot permutes each 16 tokens; the V slot pair of tokens
+    2c, 2c+1, 2c+8, 2c+9 is 2c, 2c+1 (one lane's 8-byte load); two tokens' bytes of a word
+    never overlap and unpack back to their codes."""
+    t = torch.arange(128)
+    sl = F.v_slot(t)
+    assert torch.equal(sl.sort().values, t) and torch.equal(sl // 16, t // 16)
+    assert [F.v_slot(x) // 2 for x in (0, 1, 8, 9, 6, 7, 14, 15)] == [0, 0, 1, 1, 6, 6, 7, 7]
+    codes = torch.randint(0, 16, (2, 5, 64), dtype=torch.uint8)   # [token parity, .., D]
+    own = R.pack_v_token(codes, torch.tensor([[0], [1]]))          # [2, 5, 16, 2]
+    words = torch.zeros(5, 16, 4, dtype=torch.uint8)
+    words[..., 1], words[..., 2] = own[0, ..., 0], own[0, ..., 1]
+    words[..., 3], words[..., 0] = own[1, ..., 0], own[1, ..., 1]
+    for p in (0, 1):
+        assert torch.equal(R.unpack_v_token(words, torch.full((5,), p)), codes[p])
 
 
 # ---------------------------------------------------------------- page geometry
@@ -390,22 +412,28 @@ def test_page_bytes_and_shape(block_size, heads, head_dim):
     assert math.prod(shape) == 5 * F.page_bytes(block_size, heads, head_dim)
     lay = F.PageLayout(block_size, heads, head_dim)
     assert lay.page_bytes == F.page_bytes(block_size, heads, head_dim)
-    # the (side, head, token) data and scale rows tile the page exactly once
+    # the (side, head, token) data and scale bytes tile the page exactly once
     cover = torch.zeros(lay.page_bytes, dtype=torch.int32)
     for side in (0, 1):
         for h in range(heads):
             for t in range(block_size):
-                o = lay.data_offset(side, h, t)
-                cover[o:o + head_dim // 2] += 1
-                o = lay.scale_offset(side, h, t)
-                cover[o:o + head_dim // 16] += 1
+                cover[lay.data_offsets(side, h, t)] += 1
+                cover[lay.scale_offsets(side, h, t)] += 1
     assert (cover == 1).all()
-    # order: [K data | K scales | V data | V scales], head-major then token
-    assert lay.data_offset(0, 0, 0) == 0
-    assert lay.scale_offset(0, 0, 0) == heads * block_size * head_dim // 2
-    assert lay.data_offset(1, 0, 0) == lay.page_bytes // 2
-    assert lay.data_offset(0, 1 % heads, 1) - lay.data_offset(0, 0, 0) == \
-        ((1 % heads) * block_size + 1) * head_dim // 2
+    # order: [K data | K scales | V data | V scales], head-major; K token-major
+    side_data = heads * block_size * head_dim // 2
+    assert lay.data_offsets(0, 0, 0)[0] == 0
+    assert lay.scale_offsets(0, 0, 0)[0] == side_data
+    assert lay.data_offsets(0, 1 % heads, 1)[0] == ((1 % heads) * block_size + 1) * head_dim // 2
+    # V: token 0 owns bytes 1-2 of word (0, 0), token 1 bytes 3 and 0 of it, token 2 (slot 4)
+    # bytes 1-2 of word (0, 2); group g of token 8 (slot 2) at byte g * block_size + 2
+    v = lay.page_bytes // 2
+    assert lay.data_offsets(1, 0, 0)[:4] == [v + 1, v + 2, v + 4 * (block_size // 2) + 1,
+                                             v + 4 * (block_size // 2) + 2]
+    assert lay.data_offsets(1, 0, 1)[:2] == [v + 3, v]
+    assert lay.data_offsets(1, 0, 2)[:2] == [v + 9, v + 10]
+    assert lay.scale_offsets(1, 0, 8) == [v + side_data + g * block_size + 2
+                                          for g in range(head_dim // 16)]
 
 
 def test_page_bytes_at_d128():
@@ -421,29 +449,45 @@ def test_bad_head_dim_rejected(head_dim):
 
 
 def test_reference_write_cache_uses_the_documented_layout():
-    """reference.write_cache puts quantize()'s bytes at PageLayout's offsets and nowhere else."""
+    """reference.write_cache puts the quantized bytes at PageLayout's offsets and nowhere else:
+    K rows as quantize() packs them, V as each token's two bytes per token-pair word
+    (pack_v_token, checked bit by bit against VWORD_*_BITS here)."""
     n, h, d = 16, 2, 64
     gen = torch.Generator().manual_seed(1)
     cache = torch.randint(0, 256, F.kv_cache_shape(3, n, h, d), dtype=torch.uint8, generator=gen)
     before = cache.clone()
     key, val = torch.randn(2, h, d, generator=gen), torch.randn(2, h, d, generator=gen)
-    slots = torch.tensor([21, -1])
+    slots = torch.tensor([21, -1])                  # page 1, token 5: V slot 9 (odd)
     R.write_cache(cache, key, val, slots, 0.5, 3.0)
     lay = F.PageLayout(n, h, d)
     page, before_page = cache[1].flatten(), before[1].flatten().clone()
-    for side, (x, g) in enumerate(((key, 0.5), (val, 3.0))):
-        data, s = R.quantize(x[0], g)
-        for hh in range(h):
-            o = lay.data_offset(side, hh, 5)
-            assert torch.equal(page[o:o + d // 2], data[hh])
-            before_page[o:o + d // 2] = data[hh]
-            o = lay.scale_offset(side, hh, 5)
-            assert torch.equal(page[o:o + d // 16], s[hh])
-            before_page[o:o + d // 16] = s[hh]
+    kdata, ks = R.quantize(key[0], 0.5)
+    vcodes, vs = R.quantize_codes(val[0], 3.0)
+    assert F.v_slot(5) == 9
+    for hh in range(h):
+        for side, data, s in ((0, kdata[hh], ks[hh]), (1, None, vs[hh])):
+            o = lay.data_offsets(side, hh, 5)
+            if side == 1:  # bytes 3 and 0 of each word (q, 4) hold elements 4q .. 4q+3
+                word = torch.zeros(d // 4, dtype=torch.int64)
+                for e in range(d):
+                    c = int(vcodes[hh, e])
+                    k, mag_at = e % 4, F.VWORD_MAG_BITS[2 * (e % 4) + 1]
+                    for i in range(3):
+                        word[e // 4] |= ((c >> i) & 1) << ((mag_at + i) % 32)
+                    word[e // 4] |= (c >> 3) << F.VWORD_SIGN_BITS[2 * k + 1]
+                data = torch.stack(((word >> 24) & 0xFF, word & 0xFF), -1).flatten()
+                assert ((word >> 8) & 0xFFFF).eq(0).all(), "the odd token owns bytes 3 and 0"
+            assert torch.equal(page[o], data.to(torch.uint8))
+            before_page[o] = page[o]
+            o = lay.scale_offsets(side, hh, 5)
+            assert torch.equal(page[o], s)
+            before_page[o] = s
     assert torch.equal(page, before_page)
     assert torch.equal(cache[0], before[0]) and torch.equal(cache[2], before[2])
     # and the reference gather reads it back as dequantize()
     k, v = R.gather_cache(cache, torch.tensor([[0, 1, 2]]), torch.tensor([0, 1]),
                           torch.tensor([21]), d, 0.5, 3.0)
-    assert torch.equal(k[0], R.dequantize(*R.quantize(key[0], 0.5), 0.5))
-    assert torch.equal(v[0], R.dequantize(*R.quantize(val[0], 3.0), 3.0))
+    assert torch.equal(k[0], R.dequantize(kdata, ks, 0.5))
+    assert torch.equal(v[0], R.dequantize_codes(vcodes, vs, 3.0))
+
+

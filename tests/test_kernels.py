@@ -22,7 +22,7 @@ import triton.language as tl
 from vllm_nvfp4kv import kernels as K
 from vllm_nvfp4kv.kernels import codec
 from vllm_nvfp4kv.kernels import reference as R
-from vllm_nvfp4kv.kernels.format import E2M1_THRESHOLDS, E2M1_VALUES, kv_cache_shape
+from vllm_nvfp4kv.kernels.format import E2M1_THRESHOLDS, E2M1_VALUES, kv_cache_shape, v_slot
 
 E4M3_FINITE = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 # Triton 3.6's interpreter does not round fp32 -> bf16 to nearest even (it truncates toward
@@ -281,7 +281,8 @@ def test_write_cache_special_values(device, dtype):
         ref_write(cache_ref, key, value, slots, g, 1 / g)
         assert_same_bytes(buf, buf_ref)
         _, ks, _, vs = R.page_views(cache, d)
-        written = torch.cat([ks[0, :, :t].flatten(), vs[0, :, :t].flatten()])
+        v_slots = v_slot(torch.arange(t, device=device))
+        written = torch.cat([ks[0, :, :t].flatten(), vs[0, :, :, v_slots].flatten()])
         assert not ((written & 0x7F) == 0x7F).any()
         k, v = R.gather_cache(cache, torch.tensor([[0, 1]], device=device),
                               torch.tensor([0, t], device=device),
@@ -607,6 +608,7 @@ FEATURE_CASES = [
     pytest.param(None, 0.0, True, 1, id="sinks-s1"),
     pytest.param(None, 0.0, True, 3, id="sinks-s3"),
     pytest.param(20, 10.0, True, 2, id="window-softcap-sinks-s2"),
+    pytest.param(21, 0.0, False, 3, id="window21-s3-d128"),  # V^T from token pairs (mma_v)
 ]
 
 
@@ -615,6 +617,8 @@ def test_decode_features(device, window, softcap, sinks, splits):
     """Sliding window (keys in (pos - w, pos]), logit softcap, per-head sinks, with one and
     several splits; lengths below/at/above the window, one empty sequence, k/v scales != 1."""
     d, n, hkv, qpk = 64, 16, 1, 4
+    if window == 21:  # windows starting inside a 16-token chunk of a D = 128 tile
+        d, n = 128, 32
     seq_lens = [50, 16, 1, 0, 33]
     k_scale, v_scale = 1.25, 0.4
     cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, k_scale, v_scale,
@@ -845,10 +849,7 @@ def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot):
     R.write_cache(ref, k_cached, value[:t], slots, 1.5, 0.5, four_over_six=True)
     got = cache.cpu()
     assert (got == ref).float().mean() > 0.998
-    views_got, views_ref = R.page_views(got, d), R.page_views(ref, d)
-    for side, g in ((0, 1.5), (1, 0.5)):
-        a = R.dequantize(views_got[2 * side], views_got[2 * side + 1], g)
-        b = R.dequantize(views_ref[2 * side], views_ref[2 * side + 1], g)
+    for a, b in zip(R.dequantize_pages(got, d, 1.5, 0.5), R.dequantize_pages(ref, d, 1.5, 0.5)):
         assert (a - b).abs().max() <= 0.5 * b.abs().max() / 6  # at most one E2M1 step
 
 
@@ -874,8 +875,7 @@ def test_write_cache_four_over_six(device):
         want = x_in.float().view(nb, n, h, d).transpose(1, 2).unflatten(-1, (-1, 16))
 
         def block_err(c):
-            views = R.page_views(c, d)
-            deq = R.dequantize(views[2 * side], views[2 * side + 1], g)
+            deq = R.dequantize_pages(c, d, 0.7, 1.3)[side]
             return ((deq.unflatten(-1, (-1, 16)) - want) ** 2).sum(-1)
         e_got, e_ref, e_plain = block_err(got), block_err(ref), block_err(plain)
         assert (e_got <= e_plain * (1 + 1e-5) + 1e-12).all()

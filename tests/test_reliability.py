@@ -276,26 +276,21 @@ def test_fuzz_triton_writer_and_gather(device):
         else:
             # rows whose bytes differ: each block the kernel stored must be one of the two
             # candidates with an error within fp32 noise of the reference's choice
-            kd, ks, vd, vs = R.page_views(got, d)
-            rkd, rks, rvd, rvs = R.page_views(ref, d)
-            for x, g, (a, b), (ra, rb) in ((key, k_scale, (kd, ks), (rkd, rks)),
-                                           (value, v_scale, (vd, vs), (rvd, rvs))):
-                valid = slots >= 0
-                blk, off = slots[valid] // n, slots[valid] % n
-                xs = x[valid].float().unflatten(-1, (-1, 16))
-                xf = torch.nan_to_num(xs, nan=0.0, posinf=0.0, neginf=0.0)
-                e_got = ((R.dequantize(a[blk, :, off], b[blk, :, off], g).unflatten(-1, (-1, 16))
-                          - xf) ** 2).sum(-1).double()
-                e_ref = ((R.dequantize(ra[blk, :, off], rb[blk, :, off], g)
-                          .unflatten(-1, (-1, 16)) - xf) ** 2).sum(-1).double()
+            valid = slots >= 0
+            blk, off = slots[valid] // n, slots[valid] % n
+            rows_got = R.dequantize_rows(got, blk, off, d, k_scale, v_scale)
+            rows_ref = R.dequantize_rows(ref, blk, off, d, k_scale, v_scale)
+            for x, a, ra in zip((key, value), rows_got, rows_ref):
+                xf = torch.nan_to_num(x[valid].float().unflatten(-1, (-1, 16)), nan=0.0,
+                                      posinf=0.0, neginf=0.0)
+                e_got = ((a.unflatten(-1, (-1, 16)) - xf) ** 2).sum(-1).double()
+                e_ref = ((ra.unflatten(-1, (-1, 16)) - xf) ** 2).sum(-1).double()
                 assert (e_got <= e_ref * (1 + 1e-5) + 1e-30).all()
             assert (got != ref).float().mean() < 1e-3
-            mask_untouched = torch.ones(nb, n, dtype=torch.bool)
-            mask_untouched.view(-1)[slots[slots >= 0]] = False
             # bytes of slots not written are the garbage they were
-            for v_got, v_ref in zip(R.page_views(got, d), R.page_views(buf, d)):
-                assert torch.equal(v_got.transpose(1, 2)[mask_untouched],
-                                   v_ref.transpose(1, 2)[mask_untouched])
+            written = _row_mask(nb, n, h, d, [(int(x), hh) for x in slots[valid]
+                                              for hh in range(h)])
+            assert not ((got != buf).view(nb, -1) & ~written).any()
             continue
         # read back every written token with the Triton gather, one sequence per page
         pages = torch.unique(slots[slots >= 0] // n)
@@ -340,10 +335,8 @@ def _row_mask(nb, n, h, d, slot_rows) -> torch.Tensor:
     for slot, hh in slot_rows:
         b, t = divmod(int(slot), n)
         for side in (0, 1):
-            o = lay.data_offset(side, hh, t)
-            m[b, o:o + d // 2] = True
-            o = lay.scale_offset(side, hh, t)
-            m[b, o:o + d // 16] = True
+            m[b, lay.data_offsets(side, hh, t)] = True
+            m[b, lay.scale_offsets(side, hh, t)] = True
     return m
 
 
@@ -441,7 +434,7 @@ def test_bad_numbers_do_not_leak(device):
 def test_exact_byte_offsets_through_vllm_reshape(device):
     """vLLM allocates each layer's KV cache as raw bytes and views it with the backend's
     shape and stride order (vllm.v1.worker.gpu.attn_utils._reshape_attention_kv_cache, run
-    here on a raw buffer). One K element and one V element are written; the six nonzero
+    here on a raw buffer). One K element and one V element are written; the five nonzero
     bytes must sit at the offsets format.py defines, computed here by hand for H=3 KV heads,
     block_size 16, D=64 (page = [K data 1536 | K scales 192 | V data 1536 | V scales 192]):
       slot 37 = block 2, token 5;  page 2 starts at 2 * 3456 = 6912
@@ -450,12 +443,13 @@ def test_exact_byte_offsets_through_vllm_reshape(device):
         magnitude at bits 12..14, sign at bit 7: word 0x00007080 at row byte 4, so
         data  bytes (2*16 + 5)*32 + 4 = 1188 -> 0x80 and 1189 -> 0x70
         scale byte 1536 + (2*16 + 5)*4 + 10//16 = 1684                             -> 0x38
-      V[head 1, element 37] = 12.0, v_scale 2.0: scale 0x38, code +6 (magnitude 7). Element
-        37 is e = 5 of word 4 (pair 2, high half): magnitude at bits 31, 0, 1: word 0x80000003
-        data  bytes 1728 + (1*16 + 5)*32 + 16 = 2416 -> 0x03 and 2419 -> 0x80
-        scale byte 1728 + 1536 + (1*16 + 5)*4 + 37//16 = 3350                      -> 0x38
-    (token-major NHD would put the K word at (5*3 + 2)*32 + 4 = 548; V scales swizzled for
-    trtllm-gen would move 3350.) Then the readers: reference and Triton gathers return exactly
+      V[head 1, element 37] = 12.0, v_scale 2.0: scale 0x38, code +6 (magnitude 7). Token 5
+        sits at V slot 9 (slot pair 4, odd); element 37 is k = 1 of quad 9, so e = 2k + 1 = 3
+        of V word (9, 4), magnitude at bits 0..2: word 0x00000007, so
+        data  byte  1728 + 1*16*32 + (9*8 + 4)*4 = 2544                             -> 0x07
+        scale byte  1728 + 1536 + 1*16*4 + (37//16)*16 + 9 = 3369                   -> 0x38
+    (token-major NHD would put the K word at (5*3 + 2)*32 + 4 = 548; V in rows as vLLM's
+    SM100 writer keeps it would put the V word at 1728 + (1*16 + 5)*32 + 16 = 2416.) Then the readers: reference and Triton gathers return exactly
     those two values at (token 37, head, element) and zeros elsewhere; Triton decode over
     the 38 tokens gives 12/38 at element 37 for the q heads of KV head 1 only."""
     pytest.importorskip("vllm")
@@ -468,7 +462,7 @@ def test_exact_byte_offsets_through_vllm_reshape(device):
                              kv_quant_mode=get_kv_quant_mode("nvfp4"))
     assert spec.page_size_bytes == 3456
     expect = {6912 + 1188: 0x80, 6912 + 1189: 0x70, 6912 + 1684: 0x38,
-              6912 + 2416: 0x03, 6912 + 2419: 0x80, 6912 + 3350: 0x38}
+              6912 + 2544: 0x07, 6912 + 3369: 0x38}
     key = torch.zeros(1, h, d)
     value = torch.zeros(1, h, d)
     key[0, 2, 10] = -3.0
@@ -574,8 +568,10 @@ def _fill_foreign(base: torch.Tensor, owned: torch.Tensor, fill, d, gen) -> torc
     elif fill == "extreme":
         c = torch.empty_like(base)
         kd, ks, vd, vs = R.page_views(c, d)
-        for v in (kd, vd):
-            v.fill_(0x77)
+        kd.fill_(0x77)
+        six = R.pack_v_token(torch.full((2, 4), 7, dtype=torch.uint8), torch.tensor([0, 1]))
+        vd[..., 1], vd[..., 2] = int(six[0, 0, 0]), int(six[0, 0, 1])   # the even token's bytes
+        vd[..., 3], vd[..., 0] = int(six[1, 0, 0]), int(six[1, 0, 1])   # the odd token's
         for v in (ks, vs):
             v.fill_(0x7E)
     else:
