@@ -332,8 +332,8 @@ def tune(args):
 def ab(args):
     """A/B of kernel variants at a few shapes in one process, FA3 FP8 as the yardstick:
     K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
-    tiles, 8 warps, twice the default split count (more CTAs per SM), and DECODE_VARIANTS: P.V
-    over the whole head dim (full_v; the default runs it in halves: less shared memory)."""
+    tiles, 8 warps, twice the default split count (more CTAs per SM), and DECODE_VARIANTS: V
+    in rows through shared memory (v_rows; the default decodes V^T into the MMA operand)."""
     device = torch.device("cuda")
     res = header(args, device)
     for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
@@ -483,7 +483,7 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--ab", action="store_true", help="kernel variants A/B (see ab())")
     ap.add_argument("--variants", nargs="+", help="--ab: only these variants (and mma_k, the "
-                    "default kernel), e.g. full_v mma_k_bn64")
+                    "default kernel), e.g. v_rows mma_k_bn64")
     ap.add_argument("--split-sweep", action="store_true", help="see split_sweep()")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")

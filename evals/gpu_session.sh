@@ -60,7 +60,7 @@ case "${1:?stage}" in
                 2>&1 | tail -8 ;;
   decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 --int4-max-tokens 0 --ctx 4096 16384 32768 131072 524288 1048576 \
                 --out "$OUT/decode_h200.json" 2>&1 | quiet | tail -40 ;;
-  # AB_VARIANTS="full_v mma_k_bn64": a subset (each variant compiles for ~10-20 s)
+  # AB_VARIANTS="v_rows mma_k_bn64": a subset (each variant compiles for ~10-20 s)
   ab)       timeout 560 python3 evals/bench_decode.py --ab --out "$OUT/decode_ab_h200.json" \
                 ${AB_VARIANTS:+--variants $AB_VARIANTS} \
                 2>&1 | quiet | tail -12 ;;

@@ -101,8 +101,8 @@ def main():
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--no-mma-k", action="store_true", help="K through shared memory (the "
                     "layout before codec.load_tile_mma)")
-    ap.add_argument("--full-v", action="store_true", help="P.V over the whole head dim (the "
-                    "default kernel runs it in halves)")
+    ap.add_argument("--full-v", action="store_true", help="with V in rows (--v-rows, --no-mma-k, "
+                    "--arch 80/89): P.V over the whole head dim instead of in halves")
     ap.add_argument("--v-rows", action="store_true", help="V decoded in rows and transposed "
                     "through shared memory (not straight into the MMA operand)")
     ap.add_argument("--maxnreg", type=int, help="cap on registers per thread")

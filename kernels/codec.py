@@ -282,13 +282,15 @@ def _words_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.conste
 @triton.jit
 def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
                   N: tl.constexpr, USE_ASM: tl.constexpr):
-    """Dequantize a tile of D = 128 rows of one side of paged NVFP4 pages, already in the
-    register layout of a Hopper wgmma A operand, so no shared-memory round trip.
+    """Dequantize a tile of D = 128 K rows (SIDE 0: V pages hold token pairs, load_vt_mma) of
+    paged NVFP4 pages, already in the register layout of a Hopper wgmma A operand, so no
+    shared-memory round trip.
     page_off, row, tmask: [REP, 2, W, 8] (see load_page_rows; W = num_warps) for tile row
     i = 16 W rep + 16 w + 8 h + r given as [rep, h, w, r]: Triton's default layout of the word
     load then puts warps on w, lanes on r and on the row's four 16-byte quarters, as the MMA
     wants. Returns fp16 [16 W REP, 128] = true values * 2**-7, rows i, columns in mma_col_to_d
     order; the permutes and reshapes below only relabel registers."""
+    tl.static_assert(SIDE == 0)
     D: tl.constexpr = 128
     G: tl.constexpr = 8
     REP: tl.constexpr = row.shape[0]

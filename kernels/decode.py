@@ -10,13 +10,14 @@ rounded to fp16 for the P.V product, accumulation is fp32. Split-KV over the seq
 decoding) with an LSE reduction; the split count depends only on the batch shape, so the
 launch can be captured in a CUDA graph.
 
-Both products are written transposed (S^T = K Q^T, O^T = V^T P^T) so that the token axis is
-the MMA's M: on Hopper that makes them 64-row wgmma with the freshly decoded K as the register
-operand. At D = 128 on Hopper K is decoded straight into that operand's register layout
-(codec.load_tile_mma; Q is loaded with its head dim in the same permuted order), so it never
-goes through shared memory (elsewhere the dots are mma.sync and K is decoded in rows:
-has_wgmma). Instructions per KV byte (evals/profile_decode.py: 0.209 in the sm_90 loop) and
-latency hiding at 3 programs per SM bound it (evals/RESULTS.md, "What bounds it").
+Both products are written transposed (S^T = K Q^T, O^T = V^T P^T) so that the freshly decoded
+tile is the MMA's A operand, which Hopper's wgmma takes from registers. At D = 128 on Hopper K
+is decoded straight into that operand's register layout (codec.load_tile_mma; Q is loaded with
+its head dim in the same permuted order) and so is V^T, from the page's token-pair V words
+(codec.load_vt_mma; the output is stored in its row order), so neither goes through shared
+memory (elsewhere the dots are mma.sync and K and V are decoded in rows: has_wgmma).
+Instructions per KV byte (evals/profile_decode.py: 0.204 in the sm_90 loop) and latency
+hiding at 3 programs per SM bound it (evals/RESULTS.md, "What bounds it").
 """
 from __future__ import annotations
 
@@ -206,13 +207,15 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
 
 
 # Launch variants, A/B'd by evals/bench_decode.py --ab and chosen in the backend by
-# NVFP4KV_DECODE_VARIANT. The default (P.V in head-dim halves) was 3-5% faster than the
-# full-width P.V ("full_v") on the H200 (2026-12-04, decode_ab_h200_variants.json). Variants
-# with Q.K^T in halves too and registers capped at 128/96 (4-5 programs per SM instead of 3)
-# ran 7-28% slower and were removed (evals/RESULTS.md, "What bounds it").
+# NVFP4KV_DECODE_VARIANT. The default on Hopper at D = 128 decodes V^T straight into the MMA
+# operand (mma_v; not yet timed); "v_rows" decodes V in rows and transposes it through shared
+# memory (P.V in head-dim halves, 3-5% faster than the full width on the H200 before V's
+# token-pair layout: 2026-12-04, decode_ab_h200_variants.json). Variants with Q.K^T in
+# halves and registers capped at 128/96 (4-5 programs per SM instead of 3) ran 7-28% slower
+# and were removed (evals/RESULTS.md, "What bounds it").
 DECODE_VARIANTS = {
     "default": {},
-    "full_v": dict(v_halves=False),
+    "v_rows": dict(mma_v=False),
 }
 
 
@@ -269,8 +272,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     use_asm: the inline-PTX word decoder (default on CUDA; False: the portable formula).
     mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default on
     Hopper (has_wgmma) where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens).
-    v_halves (default): P.V in two halves of the head dim, so V^T's shared-memory staging is
-    half as large (3-5% faster than the full width on the H200)."""
+    v_halves (default): where V is decoded in rows, P.V in two halves of the head dim, so V^T's
+    shared-memory staging is half as large (3-5% faster than the full width on the H200).
+    mma_v: decode V^T straight into the MMA's register layout (codec.load_vt_mma; default
+    where K is (mma_k) and the launch has 4 warps)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2

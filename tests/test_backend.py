@@ -499,9 +499,9 @@ def test_decode_variant_option():
     from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS
     impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
     assert impl.decode_variant == {}
-    with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "full_v"}):
+    with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "v_rows"}):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
-    assert impl.decode_variant == DECODE_VARIANTS["full_v"] == {"v_halves": False}
+    assert impl.decode_variant == DECODE_VARIANTS["v_rows"] == {"mma_v": False}
     with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "fast"}), \
             pytest.raises(ValueError, match="NVFP4KV_DECODE_VARIANT"):
         NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")

@@ -679,14 +679,16 @@ def test_decode_refuses_16_token_tiles(device):
     (96, None, None, 4, 1, {}), (128, 64, True, 4, 1, {}), (128, 128, True, 4, 1, {}),
     (128, 256, True, 4, 1, {}), (128, 128, False, 4, 1, {}), (128, 128, True, 8, 1, {}),
     (128, 128, None, 4, 4, {}), (128, 64, None, 4, 4, {}), (96, 64, None, 4, 4, {}),
-    (64, 32, None, 4, 4, {}), (128, 128, None, 4, 4, {"v_halves": False}),
+    (64, 32, None, 4, 4, {}), (128, 128, None, 4, 4, {"mma_v": False}),
+    (128, 128, None, 4, 4, {"mma_v": False, "v_halves": False}),
     (96, 64, None, 4, 4, {"v_halves": False})])
 def test_decode_block_n(device, d, block_n, mma_k, warps, qpk, kw):
     """Every tile size the launcher accepts (None: its own choice), one and several splits,
     single-token and multi-page sequences; at D = 128 with K decoded straight into the MMA
     layout (codec.load_tile_mma, Q permuted alike; 4 and 8 warps) and through shared memory.
-    GQA with P.V in two halves of the head dim (the default; D = 96: the second half is part
-    padding) and over the whole head dim (v_halves=False)."""
+    V^T straight into the MMA operand (codec.load_vt_mma: the default at D = 128, 4 warps) or
+    decoded in rows (mma_v=False) with P.V in two halves of the head dim (D = 96: the second
+    half is part padding) or over the whole head dim (v_halves=False)."""
     n, hkv = 16, 2
     seq_lens = [1, 40, 0, 300]
     cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, seed=7 + qpk)

@@ -62,8 +62,8 @@ def options() -> dict:
       the transformed K), nor for head sizes that are not a power of two. With
       NVFP4KV_ROTATE_K=auto the writer reads the layer's choice from a device flag.
     NVFP4KV_DECODE_VARIANT (default "default"): the decode kernel's launch variant
-      (kernels.decode.DECODE_VARIANTS: "full_v", P.V over the whole head dim), for serving
-      A/Bs; the default was the faster on the H200."""
+      (kernels.decode.DECODE_VARIANTS: "v_rows", V decoded in rows and transposed through
+      shared memory instead of straight into the MMA operand), for serving A/Bs."""
     env = os.environ.get
     return {"four_over_six": env("NVFP4KV_FOUR_OVER_SIX", "1") == "1",
             "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
