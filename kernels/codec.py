@@ -266,40 +266,30 @@ def mma_col_to_d(k):
 
 
 @triton.jit
-def _words_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
-               N: tl.constexpr):
-    """(the side's base pointers, the int32 words 4 c + j of each row [REP, 2, W, 8] and lane
-    quarter c: [REP, 2, W, 8, c, j]) of a D = 128 tile."""
-    D: tl.constexpr = 128
-    side = cache_ptr + page_off + SIDE * (H * N * (D // 2 + D // 16))
-    word = tl.arange(0, 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    words = tl.load((side + row * (D // 2)).to(tl.pointer_type(tl.int32))[:, :, :, :, None, None]
-                    + word[None, None, None, None, :, :], mask=tmask[:, :, :, :, None, None],
-                    other=0)
-    return side, words
-
-
-@triton.jit
-def load_tile_mma(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.constexpr,
-                  N: tl.constexpr, USE_ASM: tl.constexpr):
-    """Dequantize a tile of D = 128 K rows (SIDE 0: V pages hold token pairs, load_vt_mma) of
-    paged NVFP4 pages, already in the register layout of a Hopper wgmma A operand, so no
-    shared-memory round trip.
-    page_off, row, tmask: [REP, 2, W, 8] (see load_page_rows; W = num_warps) for tile row
-    i = 16 W rep + 16 w + 8 h + r given as [rep, h, w, r]: Triton's default layout of the word
-    load then puts warps on w, lanes on r and on the row's four 16-byte quarters, as the MMA
-    wants. Returns fp16 [16 W REP, 128] = true values * 2**-7, rows i, columns in mma_col_to_d
-    order; the permutes and reshapes below only relabel registers."""
-    tl.static_assert(SIDE == 0)
+def load_tile_mma(cache_ptr, chunk_off, row0, live, H: tl.constexpr, N: tl.constexpr,
+                  W: tl.constexpr, USE_ASM: tl.constexpr):
+    """Dequantize a tile of D = 128 K rows of paged NVFP4 pages, already in the register
+    layout of a Hopper wgmma A operand (W warps), so no shared-memory round trip after the
+    load. The tile is C = 16 W REP tokens in chunks of 16: chunk c in the page at byte offset
+    chunk_off [C] (int64) from page row row0 [C] (= head * N + token in page), loaded where
+    live [C] (rows past the sequence inside a live chunk load bytes whose scores get masked).
+    Each chunk's 16 rows of words and of scales are contiguous and loaded as such (lanes along
+    memory: whole sectors per warp), then relabelled as tile row i = 16 W rep + 16 w + 8 h + r
+    in [rep, h, w, r] order, which the MMA layout wants (warps on w, lanes on r and on the
+    row's four 16-byte quarters). Returns fp16 [16 W REP, 128] = true values * 2**-7, rows i,
+    columns in mma_col_to_d order; the permutes and reshapes below only relabel registers."""
     D: tl.constexpr = 128
     G: tl.constexpr = 8
-    REP: tl.constexpr = row.shape[0]
-    W: tl.constexpr = row.shape[2]
-    side, words = _words_mma(cache_ptr, page_off, row, SIDE, tmask, H, N)
-    g = tl.arange(0, G)[None, None, None, None, :]   # a row's 8 scales: one 8-byte load
-    sc = tl.load((side + H * N * (D // 2) + row * G)[:, :, :, :, None] + g,
-                 mask=tmask[:, :, :, :, None], other=0)
-    sc = tl.reshape(sc, (REP, 2, W, 8, 4, 2))                       # group 2 c + j1
+    C: tl.constexpr = chunk_off.shape[0]
+    REP: tl.constexpr = C // W
+    side = cache_ptr + chunk_off[:, None]
+    j = tl.arange(0, 16 * (D // 8))[None, :]           # word 16 t + 4 c + j of the chunk
+    words = tl.load(side.to(tl.pointer_type(tl.int32)) + row0[:, None] * (D // 8) + j,
+                    mask=live[:, None], other=0)
+    words = tl.permute(tl.reshape(words, (REP, W, 2, 8, 4, 4)), (0, 2, 1, 3, 4, 5))
+    g = tl.arange(0, 16 * G)[None, :]                  # scale 8 t + g of the chunk
+    sc = tl.load(side + H * N * (D // 2) + row0[:, None] * G + g, mask=live[:, None], other=0)
+    sc = tl.permute(tl.reshape(sc, (REP, W, 2, 8, 4, 2)), (0, 2, 1, 3, 4, 5))  # 2 c + j1
     s16 = e4m3_scale_fp16(sc)
     vals = word_values(words, USE_ASM)                             # [.., c, j, e2, e1, e0]
     vals = tl.reshape(vals, (REP, 2, W, 8, 4, 2, 2, 2, 2, 2))        # j -> j1, j0
@@ -324,26 +314,29 @@ def load_vt_mma(cache_ptr, chunk_off, chunk_tok, tok0, hi, head, H: tl.constexpr
     already in the register layout of a Hopper wgmma A operand (rows: head dim, contraction:
     tokens), so no shared-memory transpose. The tile is S chunks of 16 tokens: chunk s starts
     at token tok0 + 16 s, in the page at byte offset chunk_off [S] (int64) at token
-    chunk_tok [S]; tokens >= hi are masked. Thread (warp w, lane 4 r + c) loads quad 8 w + r of
-    V slots 4c .. 4c+3 (tokens 2c, 2c+1, 2c+8, 2c+9: one 8-byte and one 4-byte load per chunk).
-    Returns fp16 [128, 16 S] = true values * 2**-7, rows in vt_row_to_d order, columns the
+    chunk_tok [S]; chunks from hi on are not loaded, tokens >= hi inside a chunk must get
+    P = 0. Thread (warp w, lane 4 r + c) decodes quad 8 w + r of V slots 4c .. 4c+3 (tokens
+    2c, 2c+1, 2c+8, 2c+9: two words and a word of scales per chunk). Returns fp16 [128, 16 S] = true values * 2**-7, rows in vt_row_to_d order, columns the
     tile's tokens in order."""
     D: tl.constexpr = 128
     S: tl.constexpr = chunk_off.shape[0]
-    s = tl.arange(0, S)[:, None, None, None]
-    w = tl.arange(0, 4)[None, :, None, None]
-    r = tl.arange(0, 8)[None, None, :, None]
-    c = tl.arange(0, 4)[None, None, None, :]
-    side = cache_ptr + chunk_off[:, None, None, None] + H * N * (D // 2 + D // 16)
-    slot0 = chunk_tok[:, None, None, None]           # the chunk's first V slot (16-aligned)
-    mask = tok0 + 16 * s + 2 * c < hi                # the chunk's slots 4c .. 4c+3 hold a token
-    u = tl.arange(0, 2)[None, None, None, None, :]
-    words = tl.load(((side + head * (N * (D // 2))).to(tl.pointer_type(tl.int32))
-                     + (8 * w + r) * (N // 2) + slot0 // 2 + 2 * c)[:, :, :, :, None] + u,
-                    mask=mask[:, :, :, :, None], other=0)                 # [S, w, r, c, u]
-    # the scales of slots 4c .. 4c+3 (= 4c + 2u + p): one 32-bit load
-    sc = tl.load((side + H * N * (D // 2) + head * (N * (D // 16)) + (2 * w + r // 4) * N
-                  + slot0 + 4 * c).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    side = cache_ptr + chunk_off[:, None] + H * N * (D // 2 + D // 16)
+    slot0 = chunk_tok[:, None]                       # the chunk's first V slot (16-aligned)
+    # whole chunks holding a token; slots past hi load bytes whose tokens get p = 0
+    live = (tok0 + 16 * tl.arange(0, S) < hi)[:, None]
+    # loaded as [chunk, 32-byte quad row piece]: lanes then run along memory, so each warp
+    # reads whole sectors (the [S, w, r, c, u] pointer tensor put lanes across chunks)
+    j = tl.arange(0, 256)[None, :]                   # word 8 q + 2 c + u of the chunk
+    words = tl.load((side + head * (N * (D // 2))).to(tl.pointer_type(tl.int32))
+                    + (j // 8) * (N // 2) + slot0 // 2 + j % 8, mask=live, other=0)
+    words = tl.reshape(words, (S, 4, 8, 4, 2))                            # [S, w, r, c, u]
+    # the scales of slots 4c .. 4c+3 (= 4c + 2u + p) of group g = 2 w + r // 4: the chunk's
+    # 8 groups x 16 slots as 32 words, each read by the 4 lanes of its group's quads
+    k = tl.arange(0, 32)[None, :]                    # word 4 g + c
+    sc = tl.load((side + H * N * (D // 2) + head * (N * (D // 16))).to(tl.pointer_type(tl.int32))
+                 + (k // 4) * (N // 4) + slot0 // 4 + k % 4, mask=live, other=0)
+    sc = tl.broadcast_to(tl.reshape(sc, (S, 4, 2, 1, 4)), (S, 4, 2, 4, 4))
+    sc = tl.reshape(sc, (S, 4, 8, 4))                                     # [S, w, r, c]
     s16 = _e4m3_word_fp16(sc, USE_ASM) * tl.full((), 32768.0, tl.float16)  # [.., u, p]
     vals = word_values(words, USE_ASM, True)                              # [.., u, m, h, p]
     vals = vals * s16[:, :, :, :, :, None, None, :]

@@ -14,9 +14,12 @@ Both products are written transposed (S^T = K Q^T, O^T = V^T P^T) so that the fr
 tile is the MMA's A operand, which Hopper's wgmma takes from registers. At D = 128 on Hopper K
 is decoded straight into that operand's register layout (codec.load_tile_mma; Q is loaded with
 its head dim in the same permuted order) and so is V^T, from the page's token-pair V words
-(codec.load_vt_mma; the output is stored in its row order), so neither goes through shared
-memory (elsewhere the dots are mma.sync and K and V are decoded in rows: has_wgmma).
-Instructions per KV byte (evals/profile_decode.py: 0.204 in the sm_90 loop) and latency
+(codec.load_vt_mma; the output is stored in its row order), so no decoded value goes through
+shared memory (elsewhere the dots are mma.sync and K and V are decoded in rows: has_wgmma).
+The raw page bytes do: Triton pipelines every load of the loop through cp.async into shared
+memory, in the layout of the load's pointer tensor, so the loaders shape their pointers as
+[16-token chunk, contiguous bytes] (each warp reads whole sectors) and relabel afterwards.
+Instructions per KV byte (evals/profile_decode.py: 0.209 in the sm_90 loop) and latency
 hiding at 3 programs per SM bound it (evals/RESULTS.md, "What bounds it").
 """
 from __future__ import annotations
@@ -81,15 +84,21 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     else:
         acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
-        page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
-                                       n0 + tl.arange(0, BLOCK_N), hi, N)
+        tmask = n0 + tl.arange(0, BLOCK_N) < hi
+        if not (MMA_K and MMA_V):  # rows decoded by load_page_rows
+            page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
+                                           n0 + tl.arange(0, BLOCK_N), hi, N)
         if HAS_WINDOW:
             tmask = tmask & (n0 + tl.arange(0, BLOCK_N) >= start)
-        if MMA_K:  # the same tokens as [rep, h, w, r] (load_tile_mma)
-            off4, row4, mask4 = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
-                                        n0 + _mma_rows(BLOCK_N, NW), hi, N)
-            st = tl.dot(load_tile_mma(cache_ptr, off4, row4, 0, mask4, H, N, USE_ASM),
-                        tl.trans(q))
+        if MMA_K or MMA_V:  # the tile's 16-token chunks: one block-table entry each
+            chunk = n0 + 16 * tl.arange(0, BLOCK_N // 16)
+            live = chunk < hi
+            blk = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=live, other=0)
+            chunk_off = blk.to(tl.int64) * page_stride
+            chunk_tok = tl.multiple_of(chunk % N, 16)
+        if MMA_K:
+            st = tl.dot(load_tile_mma(cache_ptr, chunk_off, kvh * N + chunk_tok, live, H, N, NW,
+                                      USE_ASM), tl.trans(q))
         else:
             k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
             st = tl.dot(k, tl.trans(q))
@@ -111,11 +120,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
             l_i = l_i * alpha + tl.sum(p, axis=1)
         pt = tl.trans(p.to(tl.float16))
         if MMA_V:  # V^T straight into the A operand's registers (codec.load_vt_mma)
-            chunk = n0 + 16 * tl.arange(0, BLOCK_N // 16)
-            blk = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=chunk < hi,
-                          other=0)
-            vt = load_vt_mma(cache_ptr, blk.to(tl.int64) * page_stride,
-                             tl.multiple_of(chunk % N, 16), n0, hi, kvh, H, N, USE_ASM)
+            vt = load_vt_mma(cache_ptr, chunk_off, chunk_tok, n0, hi, kvh, H, N, USE_ASM)
             acc = tl.dot(vt, pt, acc * alpha[None, :])
         elif V_HALVES:  # half the head dim at a time: half the shared-memory staging of V^T
             v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD // 2,
@@ -169,15 +174,6 @@ def _load_q(q_rows, dd, mask):
     """Query elements dd of rows q_rows as fp16 for the MMA (clamped: exact in range)."""
     q = tl.load(q_rows + dd[None, :], mask=mask, other=0.0)
     return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-
-
-@triton.jit
-def _mma_rows(BLOCK_N: tl.constexpr, NW: tl.constexpr):
-    """Tile rows as [rep, h, w, r] (codec.load_tile_mma's order)."""
-    return (16 * NW * tl.arange(0, BLOCK_N // (16 * NW))[:, None, None, None]
-            + 8 * tl.arange(0, 2)[None, :, None, None]
-            + 16 * tl.arange(0, NW)[None, None, :, None]
-            + tl.arange(0, 8)[None, None, None, :])
 
 
 @triton.jit

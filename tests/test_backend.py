@@ -84,7 +84,7 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
                          {"NVFP4KV_WORKSPACE_DTYPE": "fp8" if fp8_workspace else "auto",
                           "NVFP4KV_ROTATE_K": "1" if rotated else "0",
                           "NVFP4KV_ROTATE_V": "1" if rotated else "0"}), \
-            mock.patch.object(backend, "k_transform", lambda layer, dev: (center, smooth)):
+            mock.patch.object(backend, "k_transform", lambda layer, dev: _on(dev, center, smooth)):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, window, "nvfp4", softcap or None,
                                   sinks=sinks)
         impl.process_weights_after_loading(torch.bfloat16)
@@ -216,7 +216,7 @@ def _decode_error(k, v, q, center, smooth, center_k="0", rotate_k="0", warm_up=F
                             layer_name="l0")
     with mock.patch.dict("os.environ", {"NVFP4KV_ROTATE_K": rotate_k,
                                         "NVFP4KV_CENTER_K": center_k}), \
-            mock.patch.object(backend, "k_transform", lambda layer, dev: (center, smooth)):
+            mock.patch.object(backend, "k_transform", lambda layer, dev: _on(dev, center, smooth)):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
         impl._model = model  # vLLM's model name (no engine config here)
         cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8)
@@ -269,6 +269,11 @@ def _outlier_case(seed=0):
     k = torch.randn(64, H, D)
     k[:, :, [3, 3 + D // 2]] += 300.0
     return k, torch.randn(64, H, D), torch.randn(1, HQ, D)
+
+
+def _on(dev, *ts):
+    """What calibration.k_transform returns: the tensors on the layer's device."""
+    return tuple(None if t is None else t.to(dev) for t in ts)
 
 
 def _mid(k):
@@ -461,33 +466,36 @@ def test_k_outlier_channels_warn_once_per_layer():
 
 @pytest.mark.parametrize("rotate_k,chosen", [("0", None), ("1", None), ("auto", True),
                                              ("auto", False)])
-def test_fused_k_write_gives_the_same_cache(rotate_k, chosen):
+def test_fused_k_write_gives_the_same_cache(device, rotate_k, chosen):
     """NVFP4KV_FUSE_TRANSFORMS: K centering (here online, set in place after a warm-up batch)
     and rotation done by the Triton writer give the bytes the torch transforms + reference
     writer give; with the per-layer choice (auto) also after the layer chose (here set by
     hand) to keep or drop the rotation: the writer reads the choice from a device flag. The
-    option applies on a GPU only; here it is forced on after the first (warm-up) write, and
-    the Triton writer runs in the interpreter."""
-    k, v, _ = _outlier_case(seed=3)
+    option applies on a GPU only; on a CPU it is forced on after the first (warm-up) write,
+    and the Triton writer runs in the interpreter."""
+    k, v, _ = (x.to(device) for x in _outlier_case(seed=3))
     t, nb = k.shape[0], 8
     caches = []
     for fused in (False, True):
-        layer = SimpleNamespace(_k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0),
+        layer = SimpleNamespace(_k_scale=torch.tensor(1.0, device=device),
+                                _v_scale=torch.tensor(1.0, device=device),
                                 layer_name="l0")
         with mock.patch.dict("os.environ", {"NVFP4KV_ROTATE_K": rotate_k,
                                             "NVFP4KV_FUSE_TRANSFORMS": str(int(fused))}):
             impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
-            cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8)
+            cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8, device=device)
             impl.do_kv_cache_update(layer, torch.zeros_like(k[:4]).bfloat16(),
                                     torch.zeros_like(v[:4]).bfloat16(), cache,
-                                    torch.full((4,), -1))
-            assert impl.fuse_transforms_option == fused and not impl._fused_k  # not on a CPU
+                                    torch.full((4,), -1, device=device))
+            assert impl.fuse_transforms_option == fused
+            assert device == "cuda" or not impl._fused_k  # decided on a GPU only
             assert (impl.space.k_rot_on is not None) == (rotate_k == "auto")
             impl._fused_k = fused
             if chosen is not None:  # as _decide_rotation leaves it
                 impl.space.choose_rotation(chosen)
                 impl._pending_rotation = None
-            impl.do_kv_cache_update(layer, k.bfloat16(), v.bfloat16(), cache, torch.arange(t))
+            impl.do_kv_cache_update(layer, k.bfloat16(), v.bfloat16(), cache,
+                                    torch.arange(t, device=device))
             assert impl._online_center and impl.space.k_sub.abs().max() > 100
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])

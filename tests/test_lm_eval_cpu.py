@@ -33,7 +33,10 @@ MMLU_DOC0 = {"auto": [-1.2190688848495483, -1.5940688848495483, -1.0940688848495
              # nats from such changes
              "nvfp4": [-1.3313040733337402, -1.4563040733337402, -0.9563040137290955,
                        -2.2063040733337402]}
-TOL = 0.13
+# On another 2-core x86 (2026-12-05, AMX-BF16, whose oneDNN kernels round differently) BF16
+# moved by 0.11 and NVFP4, whose 4-bit cache amplifies such roundings, by 0.27: NVFP4's
+# tolerance is wider (still well below what an unread or garbled cache moves: several nats)
+TOL = {"auto": 0.13, "nvfp4": 0.35}
 
 
 def _need(mod: str) -> None:
@@ -87,8 +90,8 @@ def test_mmlu_reads_the_nvfp4_cache(tmp_path, model):
         assert "long_prefill_token_threshold=64" in r["model_args"]
         best = lm_eval_kv.prediction(r["per_doc_resps"][0])
         assert r["per_doc"] == [float(best == doc0["label"])] == [r["accuracy"]]
-        pinned = MMLU_DOC0[r["kv_dtype"]]
-        assert max(abs(x - y) for x, y in zip(r["per_doc_resps"][0], pinned)) <= TOL
+        pinned, tol = MMLU_DOC0[r["kv_dtype"]], TOL[r["kv_dtype"]]
+        assert max(abs(x - y) for x, y in zip(r["per_doc_resps"][0], pinned)) <= tol
     # the scored chunk attended over the request's earlier tokens read back from the cache
     from transformers import AutoTokenizer
     n_tokens = len(AutoTokenizer.from_pretrained(model)(doc0["prompt"] + " A")["input_ids"])
