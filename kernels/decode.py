@@ -204,11 +204,11 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
 
 # Launch variants, A/B'd by evals/bench_decode.py --ab and chosen in the backend by
 # NVFP4KV_DECODE_VARIANT. The default on Hopper at D = 128 decodes V^T straight into the MMA
-# operand (mma_v; not yet timed); "v_rows" decodes V in rows and transposes it through shared
-# memory (P.V in head-dim halves, 3-5% faster than the full width on the H200 before V's
-# token-pair layout: 2026-12-04, decode_ab_h200_variants.json). Variants with Q.K^T in
-# halves and registers capped at 128/96 (4-5 programs per SM instead of 3) ran 7-28% slower
-# and were removed (evals/RESULTS.md, "What bounds it").
+# operand (mma_v); "v_rows" decodes V in rows and transposes it through shared memory (P.V
+# in head-dim halves): 0.60-0.77x FA3 FP8 against the default's 1.14-1.36x on the H200
+# (2026-12-05, decode_ab_h200_coalesced.json). Variants with Q.K^T in halves and registers
+# capped at 128/96 (4-5 programs per SM instead of 3) ran 7-28% slower and were removed
+# (evals/RESULTS.md, "What bounds it").
 DECODE_VARIANTS = {
     "default": {},
     "v_rows": dict(mma_v=False),
