@@ -129,13 +129,14 @@ def main():
         for _ in range(4):
             fn()
         torch.cuda.synchronize()
-    from vllm_nvfp4kv.kernels.decode import _decode_kernel
+    from vllm_nvfp4kv.kernels.decode import _decode_kernel, choose_block_n, choose_num_splits
     kernel_cache = _decode_kernel.device_caches[torch.cuda.current_device()][0]
     for kernel in list(kernel_cache.values())[:1]:  # the variant just launched
         meta = kernel.metadata
         print(f"registers/thread {kernel.n_regs}, spills {kernel.n_spills}, "
               f"shared {meta.shared} B, warps {meta.num_warps}")
-        print(loop_mix(kernel, 128 if args.batch * 8 * 2 > 264 else 64, meta.num_warps))
+        block_n = choose_block_n(choose_num_splits(args.batch, 8, args.ctx, dev))
+        print(loop_mix(kernel, block_n, meta.num_warps))
 
 
 if __name__ == "__main__":

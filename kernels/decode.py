@@ -251,6 +251,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
     return max(1, min(64, want, math.ceil(max_seq_len / 256)))
 
 
+def choose_block_n(num_splits: int) -> int:
+    """Tokens per tile: short splits take smaller tiles (measured on an H200,
+    evals/bench_decode.py --tune)."""
+    return 64 if num_splits >= 16 else 128
+
+
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, out: torch.Tensor, sm_scale: float, k_scale,
                      v_scale, sliding_window: int | None = None, softcap: float = 0.0,
@@ -284,8 +290,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if num_splits is None:
         max_seq_len = max_seq_len or block_table.shape[1] * n
         num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev)
-    if block_n is None:  # short splits: smaller tiles (measured on H200, evals/bench_decode --tune)
-        block_n = 64 if num_splits >= 16 else 128
+    block_n = block_n or choose_block_n(num_splits)
     if block_n not in (32, 64, 128, 256):
         # 16-token tiles gave wrong results on an H200 with Triton 3.6 (correct in the
         # interpreter); refused until that is understood
