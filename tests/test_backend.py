@@ -21,6 +21,14 @@ REQS = [(20, 1), (35, 1), (40, 7), (0, 9)]
 
 
 @pytest.fixture(autouse=True)
+def _inference_mode():
+    """The backend runs under inference mode, as vLLM runs the model; it also lets these
+    tests share vLLM's process-wide workspace with an engine that an earlier test started."""
+    with torch.inference_mode():
+        yield
+
+
+@pytest.fixture(autouse=True)
 def _fresh_outlier_models():
     """NVFP4KV_CENTER_K=auto remembers models with K outliers per process; the impls made
     here share one model name."""
