@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
+#   bash evals/gpu_session.sh parts|tests|kernel-all|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -74,6 +74,15 @@ case "${1:?stage}" in
   kernel-tests) timeout 300 python3 -P -m pytest -q -x tests/test_kernels.py \
                 -k "decode or codec or write_cache" \
                 2>&1 | tail -3 ;;
+  # one call after p1 + p2 for a kernel change (~6 min on 2026-12-05): kernel and backend
+  # tests, the A/B against V in rows, the 4K-1M sweep
+  kernel-all) timeout 200 python3 -P -m pytest -q -x tests/test_kernels.py tests/test_backend.py \
+                -k "decode or codec or write_cache or backend or mixed or fused" 2>&1 | tail -2
+            timeout 150 python3 evals/bench_decode.py --ab --variants v_rows \
+                --out "$OUT/decode_ab_h200.json" 2>&1 | quiet | tail -8
+            timeout 200 python3 evals/bench_decode.py --budget-s 150 --int4-max-tokens 0 \
+                --ctx 4096 16384 32768 131072 524288 1048576 --out "$OUT/decode_h200.json" \
+                2>&1 | quiet | tail -26 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
                 2>&1 | grep best ;;
   ws)       timeout 560 python3 evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws \
