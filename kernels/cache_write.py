@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e2m1_pack_v_token,
-                    e2m1_pack_words, e4m3_decode, e4m3_encode, round_to, v_slot)
+                    e2m1_pack_words, e4m3_decode, e4m3_encode, round_to, v_slot,
+                    v_token_bytes)
 from .format import GROUP_SIZE, PageLayout
 from .rotation import fwht, hadamard_entry
 
@@ -126,12 +127,12 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     p = (vs % 2).to(tl.uint32)
     bits, s = _quantize_row(value_ptr + t * stride_vt + h * stride_vh, tl.load(v_scale_ptr),
                             col, cmask, FOUR_OVER_SIX, True, p)           # [G, 4] uint32
-    own = (bits >> (8 + 16 * p)) | (bits << (24 - 16 * p))                # its bytes at 0..15
     base = page + SIDE_BYTES
     q = 4 * gi[:, None] + tl.arange(0, 4)[None, :]
     wbyte = base + h * (N * (D // 2)) + (q * (N // 2) + vs // 2) * 4
-    tl.store(wbyte + 1 + 2 * p, (own & 0xFF).to(tl.uint8), mask=cmask)
-    tl.store(wbyte + (2 + 2 * p) % 4, ((own >> 8) & 0xFF).to(tl.uint8), mask=cmask)
+    b0, b1 = v_token_bytes(p)
+    tl.store(wbyte + b0, ((bits >> (8 * b0)) & 0xFF).to(tl.uint8), mask=cmask)
+    tl.store(wbyte + b1, ((bits >> (8 * b1)) & 0xFF).to(tl.uint8), mask=cmask)
     tl.store(base + H * N * (D // 2) + h * (N * G) + gi * N + vs, s, mask=gi < G)
 
 

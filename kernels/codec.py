@@ -7,11 +7,25 @@ bits 7..14 is ``e4m3_value * 2**-8``. The callers fold those powers of two into 
 Both are exact, branch-free and the same on every GPU and in Triton's interpreter. The
 page's data words place those bits so that a rotation brings them there (format.py).
 """
+import types
+
 import triton
 import triton.language as tl
 
+from . import format as _format
 from .format import (VWORD_PAIR_ROTATION, VWORD_SIGN_ROTATION, WORD_PAIR_ROTATION,
                      WORD_SIGN_ROTATION)
+
+
+def _jit_here(fn):
+    """A format.py function jitted with this module's globals (Triton's interpreter looks for
+    triton.language among a jitted function's globals; format.py imports no Triton)."""
+    return triton.jit(types.FunctionType(fn.__code__, globals(), fn.__name__, fn.__defaults__))
+
+
+# format.py's V slot rules, written once there in operators Triton compiles as they are
+v_slot = _jit_here(_format.v_slot)
+v_token_bytes = _jit_here(_format.v_token_bytes)
 
 
 def _word_asm(pair_rotation, sign_rotation) -> str:
@@ -42,8 +56,8 @@ KS0, KS1, KS2, KS3 = (tl.constexpr(r) for r in WORD_SIGN_ROTATION)
 VR0, VR1, VR2, VR3 = (tl.constexpr(r) for r in VWORD_PAIR_ROTATION)
 VS0, VS1, VS2, VS3 = (tl.constexpr(r) for r in VWORD_SIGN_ROTATION)
 # Factors the fp16 bit tricks leave on the decoded values (folded by callers).
-E2M1_FP16_FACTOR = tl.constexpr(16384.0) # e2m1 = decoded * 2**14
-E4M3_FP16_FACTOR = tl.constexpr(256.0) # e4m3 = decoded * 2**8
+E2M1_FP16_FACTOR = tl.constexpr(16384.0)  # e2m1 = decoded * 2**14
+E4M3_FP16_FACTOR = tl.constexpr(256.0)  # e4m3 = decoded * 2**8
 
 
 @triton.jit
@@ -121,16 +135,22 @@ def _place(codes, mag_pos, sign_pos):
 
 
 @triton.jit
+def _bit_positions(k, p, V: tl.constexpr):
+    """(magnitude, sign) bit (uint32) of element 2k + p in format.py's K or V word layout."""
+    if V:
+        rho, sigma = _by_pair(k, VR0, VR1, VR2, VR3), _by_pair(k, VS0, VS1, VS2, VS3)
+    else:
+        rho, sigma = _by_pair(k, KR0, KR1, KR2, KR3), _by_pair(k, KS0, KS1, KS2, KS3)
+    return ((9 + 16 * p + rho) % 32).to(tl.uint32), ((15 + 16 * p + sigma) % 32).to(tl.uint32)
+
+
+@triton.jit
 def e2m1_pack_words(codes):
     """4-bit codes [..., 8] (int32; the 8 elements of each word in order) -> int32 K words [...]
     in format.py's K word layout: element e = 2k + p at bits (9 + 16p + WORD_PAIR_ROTATION[k])
     % 32 .. +2 (rotated in 32 bits), its sign at (15 + 16p + WORD_SIGN_ROTATION[k]) % 32."""
     e = tl.arange(0, 8)
-    k = e // 2
-    p = e % 2
-    mag_pos = ((9 + 16 * p + _by_pair(k, KR0, KR1, KR2, KR3)) % 32).to(tl.uint32)
-    sign_pos = ((15 + 16 * p + _by_pair(k, KS0, KS1, KS2, KS3)) % 32).to(tl.uint32)
-    bits = _place(codes.to(tl.uint32), mag_pos, sign_pos)
+    bits = _place(codes.to(tl.uint32), *_bit_positions(e // 2, e % 2, False))
     return tl.sum(bits, axis=len(codes.shape) - 1).to(tl.int32, bitcast=True)  # disjoint: sum = or
 
 
@@ -140,10 +160,7 @@ def e2m1_pack_v_token(codes, p):
     V slot parity p (0 / 1) -> the token's bits of its V words [...] (uint32; format.py's V word
     layout: element 2k + p at (9 + 16p + VWORD_PAIR_ROTATION[k]) % 32 ..). They fill bytes 1-2
     (p = 0) or bytes 3 and 0 (p = 1) of the word."""
-    k = tl.arange(0, 4)
-    mag_pos = ((9 + 16 * p + _by_pair(k, VR0, VR1, VR2, VR3)) % 32).to(tl.uint32)
-    sign_pos = ((15 + 16 * p + _by_pair(k, VS0, VS1, VS2, VS3)) % 32).to(tl.uint32)
-    bits = _place(codes.to(tl.uint32), mag_pos, sign_pos)
+    bits = _place(codes.to(tl.uint32), *_bit_positions(tl.arange(0, 4), p, True))
     return tl.sum(bits, axis=len(codes.shape) - 1)                        # disjoint: sum = or
 
 
@@ -210,12 +227,6 @@ def load_page_rows(cache_ptr, page_off, row, SIDE: tl.constexpr, tmask, H: tl.co
     vals = tl.reshape(word_values(words, USE_ASM, True), (R // 2, G_PAD * 4, 4, 2))
     vals = tl.reshape(tl.permute(vals, (0, 3, 1, 2)), (R, G_PAD * 16))  # rows (pair, parity)
     return _scaled_rows(vals, sc, R, G_PAD)
-
-
-@triton.jit
-def v_slot(t):
-    """format.v_slot: within each 16 tokens, t = 8a + 2b + p -> slot 4b + 2a + p."""
-    return (t & ~15) | (((t >> 1) & 3) << 2) | (((t >> 3) & 1) << 1) | (t & 1)
 
 
 @triton.jit

@@ -17,8 +17,8 @@ second product, O^T = V^T P^T, contracts over tokens: the Hopper wgmma register 
 one 32-bit register to hold one head-dim element of two consecutive tokens, which a V word
 decodes into directly (no shared-memory transpose). Token t of a page sits at V slot
 ``v_slot(t)``: within each 16 tokens, t = 8a + 2b + p goes to slot 4b + 2a + p, so the lane
-that loads slots 4c .. 4c+3 (one 8-byte load of two words, one 4-byte load of scales) holds
-tokens 2c, 2c+1, 2c+8, 2c+9, the operand's columns for that lane.
+that decodes slots 4c .. 4c+3 (two words, and one word of their scales) holds tokens 2c, 2c+1,
+2c+8, 2c+9, the operand's columns for that lane.
 
 Inside a K word, element e = 2k + p (pair k = 0..3, p = 0 low / 1 high half) keeps its 3-bit
 magnitude code at bits WORD_MAG_BITS[e] .. +2 (mod 32: element 5 uses bits 31, 0, 1) and its
@@ -84,9 +84,15 @@ VWORD_MAG_BITS, VWORD_SIGN_BITS = word_bits(VWORD_PAIR_ROTATION, VWORD_SIGN_ROTA
 
 
 def v_slot(t):
-    """V slot of token t of a page (int or integer tensor): within each 16 tokens,
-    t = 8a + 2b + p -> 4b + 2a + p."""
+    """V slot of token t of a page (int, integer tensor, or Triton tensor: codec jits this):
+    within each 16 tokens, t = 8a + 2b + p -> 4b + 2a + p."""
     return (t & ~15) | (((t >> 1) & 3) << 2) | (((t >> 3) & 1) << 1) | (t & 1)
+
+
+def v_token_bytes(p):
+    """The two bytes (low first) that a token at V slot parity p owns in each of its V words
+    (int, integer tensor, or Triton tensor: codec jits this)."""
+    return 1 + 2 * p, (2 + 2 * p) % 4
 
 
 # E2M1 magnitudes by 3-bit code; bit 3 of a 4-bit code is the sign.
@@ -148,7 +154,7 @@ class PageLayout:
         words = [base + 4 * (q * (self.block_size // 2) + slot // 2)
                  for q in range(self.head_dim // 4)]
         p = slot % 2
-        return [w + b for w in words for b in (1 + 2 * p, (2 + 2 * p) % 4)]
+        return [w + b for w in words for b in v_token_bytes(p)]
 
     def scale_offsets(self, side: int, head: int, token: int) -> list[int]:
         """The D/16 scale bytes of (side, head, token), group order."""

@@ -11,7 +11,7 @@ import torch
 
 from .format import (E2M1_MAX, E2M1_THRESHOLDS, E2M1_VALUES, E4M3_MAX, GROUP_SIZE,
                      VWORD_MAG_BITS, VWORD_SIGN_BITS, WORD_MAG_BITS, WORD_SIGN_BITS, PageLayout,
-                     v_slot)
+                     v_slot, v_token_bytes)
 
 
 # ---------------------------------------------------------------- scalar formats
@@ -126,8 +126,8 @@ def unpack_codes(data: torch.Tensor) -> torch.Tensor:
 
 def pack_v_token(code: torch.Tensor, parity: torch.Tensor) -> torch.Tensor:
     """4-bit codes [..., D] of tokens with V slot parity `parity` (broadcast to [...]) -> the
-    bytes they own in their V words, [..., D/4, 2]: for quad q, the byte at 1 + 2p of word
-    (q, slot // 2), then the one at (2 + 2p) % 4 (format.py)."""
+    bytes they own in their V words, [..., D/4, 2]: for quad q, the bytes of word
+    (q, slot // 2) at format.v_token_bytes(p)."""
     p = parity.to(torch.int64)[..., None, None]                          # [..., 1, 1]
     mag_tab, sign_tab = (t.view(4, 2) for t in _word_bits(code.device, VWORD_MAG_BITS,
                                                           VWORD_SIGN_BITS))
@@ -136,9 +136,8 @@ def pack_v_token(code: torch.Tensor, parity: torch.Tensor) -> torch.Tensor:
     sign_pos = sign_tab[k, 0] + 16 * p
     c = code.to(torch.int64).unflatten(-1, (-1, 4))                      # [..., D/4, 4]
     word = _place(c, mag_pos % 32, sign_pos % 32).sum(-1)                # [..., D/4]
-    own = (word >> (8 + 16 * p[..., 0])) & 0xFFFF                        # rotate: no wrap
-    own = own | ((word << (24 - 16 * p[..., 0])) & 0xFF00) * p[..., 0]   # p = 1: byte 0 second
-    return torch.stack((own & 0xFF, own >> 8), dim=-1).to(torch.uint8)
+    return torch.stack([(word >> (8 * b)) & 0xFF for b in v_token_bytes(p[..., 0])],
+                       dim=-1).to(torch.uint8)
 
 
 def unpack_v_token(data: torch.Tensor, parity: torch.Tensor) -> torch.Tensor:
@@ -192,15 +191,14 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ks[blk, :, off] = scales
     code, scales = quantize_codes(value[keep], v_scale, four_over_six)
     slot = v_slot(off)
-    p = slot % 2
-    own = pack_v_token(code, p[:, None])                                              # [T', H, Q, 2]
-    vd[blk, :, :, slot // 2, 1 + 2 * p] = own[..., 0]
-    vd[blk, :, :, slot // 2, (2 + 2 * p) % 4] = own[..., 1]
+    own = pack_v_token(code, slot[:, None] % 2)                                       # [T', H, Q, 2]
+    for i, b in enumerate(v_token_bytes(slot % 2)):
+        vd[blk, :, :, slot // 2, b] = own[..., i]
     vs[blk, :, :, slot] = scales
 
 
 def dequantize_rows(kv_cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, head_dim: int,
-                 k_scale, v_scale):
+                    k_scale, v_scale):
     """Tokens at (page blk, token-in-page off) [T] -> dequantized fp32 (k, v) [T, H, D]."""
     kd, ks, vd, vs = page_views(kv_cache, head_dim)
     slot = v_slot(off)
@@ -228,7 +226,7 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: t
         count = int(cu_tokens[b + 1] - cu_tokens[b])
         pos = int(seq_starts[b]) + torch.arange(count, device=kv_cache.device)
         k, v = dequantize_rows(kv_cache, block_table[b, pos // n].long(), pos % n, head_dim,
-                            k_scale, v_scale)
+                               k_scale, v_scale)
         ks_out.append(k)
         vs_out.append(v)
     return torch.cat(ks_out), torch.cat(vs_out)
