@@ -333,8 +333,8 @@ def ab(args):
     """A/B of kernel variants at a few shapes in one process, FA3 FP8 as the yardstick:
     K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
     tiles, 8 warps, twice the default split count (more CTAs per SM), a three-stage load
-    pipeline, and DECODE_VARIANTS: V
-    in rows through shared memory (v_rows; the default decodes V^T into the MMA operand)."""
+    pipeline, and DECODE_VARIANTS: V in rows through shared memory (v_rows; the default
+    decodes V^T into the MMA operand)."""
     device = torch.device("cuda")
     res = header(args, device)
     for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
@@ -357,7 +357,8 @@ def ab(args):
                     ("mma_k_bn64", dict(mma_k=True, block_n=64)),
                     ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
                     ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
-                    ("mma_k_stages3", dict(mma_k=True, num_stages=3)),  # loads 2 tiles ahead
+                    ("mma_k_stages3", dict(mma_k=True, num_stages=3)),  # Triton gives the extra
+                    # stage to the block-table loads; K/V stay one tile ahead (RESULTS.md)
                     *((name, dict(mma_k=True, **kw)) for name, kw in DECODE_VARIANTS.items()
                       if name != "default"))
         variants = [(n, kw) for n, kw in variants

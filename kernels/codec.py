@@ -327,8 +327,8 @@ def load_vt_mma(cache_ptr, chunk_off, chunk_tok, tok0, hi, head, H: tl.constexpr
     at token tok0 + 16 s, in the page at byte offset chunk_off [S] (int64) at token
     chunk_tok [S]; chunks from hi on are not loaded, tokens >= hi inside a chunk must get
     P = 0. Thread (warp w, lane 4 r + c) decodes quad 8 w + r of V slots 4c .. 4c+3 (tokens
-    2c, 2c+1, 2c+8, 2c+9: two words and a word of scales per chunk). Returns fp16 [128, 16 S] = true values * 2**-7, rows in vt_row_to_d order, columns the
-    tile's tokens in order."""
+    2c, 2c+1, 2c+8, 2c+9: two words and a word of scales per chunk). Returns fp16 [128, 16 S]
+    = true values * 2**-7, rows in vt_row_to_d order, columns the tile's tokens in order."""
     D: tl.constexpr = 128
     S: tl.constexpr = chunk_off.shape[0]
     side = cache_ptr + chunk_off[:, None] + H * N * (D // 2 + D // 16)

@@ -191,7 +191,7 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ks[blk, :, off] = scales
     code, scales = quantize_codes(value[keep], v_scale, four_over_six)
     slot = v_slot(off)
-    own = pack_v_token(code, slot[:, None] % 2)                                       # [T', H, Q, 2]
+    own = pack_v_token(code, slot[:, None] % 2)                            # [T', H, Q, 2]
     for i, b in enumerate(v_token_bytes(slot % 2)):
         vd[blk, :, :, slot // 2, b] = own[..., i]
     vs[blk, :, :, slot] = scales

@@ -489,5 +489,3 @@ def test_reference_write_cache_uses_the_documented_layout():
                           torch.tensor([21]), d, 0.5, 3.0)
     assert torch.equal(k[0], R.dequantize(kdata, ks, 0.5))
     assert torch.equal(v[0], R.dequantize_codes(vcodes, vs, 3.0))
-
-

@@ -700,7 +700,6 @@ def test_decode_block_n(device, d, block_n, mma_k, warps, qpk, kw):
         _check_decode(out, ref, seq_lens)
 
 
-
 def test_decode_defaults_per_gpu_generation(device, monkeypatch):
     """K straight into the MMA layout is a Hopper (wgmma) default; on an Ampere/Ada GPU
     (has_wgmma False) the launcher decodes K through shared memory, an explicit choice still
@@ -727,6 +726,7 @@ def test_decode_defaults_per_gpu_generation(device, monkeypatch):
         K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, num_splits=2, **kw)
         assert seen[-1] == want
         _check_decode(out, ref, seq_lens)
+
 
 def test_decode_fp16_query_small_tiles_default_splits(device):
     """fp16 q and output, BLOCK_N 32 (two pages per tile), the default split choice."""

@@ -449,9 +449,10 @@ def test_exact_byte_offsets_through_vllm_reshape(device):
         data  byte  1728 + 1*16*32 + (9*8 + 4)*4 = 2544                             -> 0x07
         scale byte  1728 + 1536 + 1*16*4 + (37//16)*16 + 9 = 3369                   -> 0x38
     (token-major NHD would put the K word at (5*3 + 2)*32 + 4 = 548; V in rows as vLLM's
-    SM100 writer keeps it would put the V word at 1728 + (1*16 + 5)*32 + 16 = 2416.) Then the readers: reference and Triton gathers return exactly
-    those two values at (token 37, head, element) and zeros elsewhere; Triton decode over
-    the 38 tokens gives 12/38 at element 37 for the q heads of KV head 1 only."""
+    SM100 writer keeps it would put the V word at 1728 + (1*16 + 5)*32 + 16 = 2416.) Then the
+    readers: reference and Triton gathers return exactly those two values at (token 37, head,
+    element) and zeros elsewhere; Triton decode over the 38 tokens gives 12/38 at element 37
+    for the q heads of KV head 1 only."""
     pytest.importorskip("vllm")
     from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
     from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
