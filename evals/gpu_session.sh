@@ -74,15 +74,9 @@ case "${1:?stage}" in
   kernel-tests) timeout 300 python3 -P -m pytest -q -x tests/test_kernels.py \
                 -k "decode or codec or write_cache" \
                 2>&1 | tail -3 ;;
-  # one call after p1 + p2 for a kernel change (~6 min on 2026-12-05): kernel and backend
+  # one call after p1 + p2 for a kernel change (~5 min on 2026-12-05): kernel and backend
   # tests, the A/B against V in rows, the 4K-1M sweep
-  kernel-all) timeout 200 python3 -P -m pytest -q -x tests/test_kernels.py tests/test_backend.py \
-                -k "decode or codec or write_cache or backend or mixed or fused" 2>&1 | tail -2
-            timeout 150 python3 evals/bench_decode.py --ab --variants v_rows \
-                --out "$OUT/decode_ab_h200.json" 2>&1 | quiet | tail -8
-            timeout 200 python3 evals/bench_decode.py --budget-s 150 --int4-max-tokens 0 \
-                --ctx 4096 16384 32768 131072 524288 1048576 --out "$OUT/decode_h200.json" \
-                2>&1 | quiet | tail -26 ;;
+  kernel-all) for stage in tests ab decode; do AB_VARIANTS=${AB_VARIANTS:-v_rows} bash "$0" $stage; done ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
                 2>&1 | grep best ;;
   ws)       timeout 560 python3 evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws \
