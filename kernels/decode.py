@@ -47,7 +47,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
                    D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr,
-                   NW: tl.constexpr, V_HALVES: tl.constexpr, MMA_V: tl.constexpr):
+                   NW: tl.constexpr, V_HALVES: tl.constexpr, MMA_V: tl.constexpr,
+                   BT_AHEAD: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,6 +84,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         acc_hi = tl.zeros([G_PAD * 8, QG_PAD], tl.float32)
     else:
         acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)
+    if BT_AHEAD:  # the first tile's block-table entries; later ones a tile ahead, in the loop
+        chunk = lo + 16 * tl.arange(0, BLOCK_N // 16)
+        blk_next = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=chunk < hi, other=0)
     for n0 in range(lo, hi, BLOCK_N):
         tmask = n0 + tl.arange(0, BLOCK_N) < hi
         if not (MMA_K and MMA_V):  # rows decoded by load_page_rows
@@ -93,7 +97,13 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         if MMA_K or MMA_V:  # the tile's 16-token chunks: one block-table entry each
             chunk = n0 + 16 * tl.arange(0, BLOCK_N // 16)
             live = chunk < hi
-            blk = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=live, other=0)
+            if BT_AHEAD:
+                blk = blk_next
+                nxt = chunk + BLOCK_N
+                blk_next = tl.load(block_table_ptr + b * stride_bt + nxt // N, mask=nxt < hi,
+                                   other=0)
+            else:
+                blk = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=live, other=0)
             chunk_off = blk.to(tl.int64) * page_stride
             chunk_tok = tl.multiple_of(chunk % N, 16)
         if MMA_K:
@@ -212,6 +222,8 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
 DECODE_VARIANTS = {
     "default": {},
     "v_rows": dict(mma_v=False),
+    "bt_ahead_s3": dict(bt_ahead=True, num_stages=3),
+    "bt_ahead_s4": dict(bt_ahead=True, num_stages=4),
 }
 
 
@@ -264,7 +276,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      max_seq_len: int | None = None, block_n: int | None = None,
                      num_warps: int = 4, num_stages: int = 2,
                      use_asm: bool | None = None, mma_k: bool | None = None,
-                     v_halves: bool = True, mma_v: bool | None = None) -> torch.Tensor:
+                     v_halves: bool = True, mma_v: bool | None = None,
+                     bt_ahead: bool = False) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -277,7 +290,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     v_halves (default): where V is decoded in rows, P.V in two halves of the head dim, so V^T's
     shared-memory staging is half as large (3-5% faster than the full width on the H200).
     mma_v: decode V^T straight into the MMA's register layout (codec.load_vt_mma; default
-    where K is (mma_k) and the launch has 4 warps)."""
+    where K is (mma_k) and the launch has 4 warps).
+    bt_ahead: load each tile's block-table entries one tile ahead (where K or V is decoded in
+    the MMA layout), so the K/V byte loads no longer wait on a load of their own iteration and
+    Triton's pipeliner keeps num_stages - 1 tiles in flight instead of draining every tile."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -320,7 +336,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
         MMA_K=mma_k, NW=num_warps,
-        V_HALVES=v_halves and d >= 32, MMA_V=mma_v, num_warps=num_warps,
+        V_HALVES=v_halves and d >= 32, MMA_V=mma_v, BT_AHEAD=bt_ahead and (mma_k or mma_v),
+        num_warps=num_warps,
         num_stages=num_stages)
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](

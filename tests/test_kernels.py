@@ -681,14 +681,17 @@ def test_decode_refuses_16_token_tiles(device):
     (128, 128, None, 4, 4, {}), (128, 64, None, 4, 4, {}), (96, 64, None, 4, 4, {}),
     (64, 32, None, 4, 4, {}), (128, 128, None, 4, 4, {"mma_v": False}),
     (128, 128, None, 4, 4, {"mma_v": False, "v_halves": False}),
-    (96, 64, None, 4, 4, {"v_halves": False})])
+    (96, 64, None, 4, 4, {"v_halves": False}),
+    (128, 128, True, 4, 4, {"bt_ahead": True, "num_stages": 3}),
+    (128, 64, True, 4, 1, {"bt_ahead": True, "num_stages": 4})])
 def test_decode_block_n(device, d, block_n, mma_k, warps, qpk, kw):
     """Every tile size the launcher accepts (None: its own choice), one and several splits,
     single-token and multi-page sequences; at D = 128 with K decoded straight into the MMA
     layout (codec.load_tile_mma, Q permuted alike; 4 and 8 warps) and through shared memory.
     V^T straight into the MMA operand (codec.load_vt_mma: the default at D = 128, 4 warps) or
     decoded in rows (mma_v=False) with P.V in two halves of the head dim (D = 96: the second
-    half is part padding) or over the whole head dim (v_halves=False)."""
+    half is part padding) or over the whole head dim (v_halves=False). Block-table entries
+    loaded a tile ahead (bt_ahead) with a deeper load pipeline."""
     n, hkv = 16, 2
     seq_lens = [1, 40, 0, 300]
     cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, seed=7 + qpk)
