@@ -88,24 +88,31 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         chunk = lo + 16 * tl.arange(0, BLOCK_N // 16)
         blk_next = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=chunk < hi, other=0)
     for n0 in range(lo, hi, BLOCK_N):
-        tmask = n0 + tl.arange(0, BLOCK_N) < hi
-        if not (MMA_K and MMA_V):  # rows decoded by load_page_rows
-            page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
-                                           n0 + tl.arange(0, BLOCK_N), hi, N)
-        if HAS_WINDOW:
-            tmask = tmask & (n0 + tl.arange(0, BLOCK_N) >= start)
-        if MMA_K or MMA_V:  # the tile's 16-token chunks: one block-table entry each
-            chunk = n0 + 16 * tl.arange(0, BLOCK_N // 16)
-            live = chunk < hi
-            if BT_AHEAD:
-                blk = blk_next
-                nxt = chunk + BLOCK_N
-                blk_next = tl.load(block_table_ptr + b * stride_bt + nxt // N, mask=nxt < hi,
-                                   other=0)
-            else:
-                blk = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=live, other=0)
+        tok = n0 + tl.arange(0, BLOCK_N)
+        tmask = tok < hi
+        # the tile's 16-token chunks (a page holds whole chunks): one block-table entry each
+        chunk = n0 + 16 * tl.arange(0, BLOCK_N // 16)
+        live = chunk < hi
+        if BT_AHEAD:
+            blk = blk_next
+            nxt = chunk + BLOCK_N
+            blk_next = tl.load(block_table_ptr + b * stride_bt + nxt // N, mask=nxt < hi,
+                               other=0)
+        elif MMA_K or MMA_V:
+            blk = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=live, other=0)
+        if BT_AHEAD or MMA_K or MMA_V:
             chunk_off = blk.to(tl.int64) * page_stride
             chunk_tok = tl.multiple_of(chunk % N, 16)
+        if not (MMA_K and MMA_V):  # rows decoded by load_page_rows
+            if BT_AHEAD:  # each token's page from its chunk's entry
+                page_off = tl.reshape(tl.broadcast_to(chunk_off[:, None], (BLOCK_N // 16, 16)),
+                                      (BLOCK_N,))
+                row = kvh * N + tok % N
+            else:
+                page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
+                                               tok, hi, N)
+        if HAS_WINDOW:
+            tmask = tmask & (tok >= start)
         if MMA_K:
             st = tl.dot(load_tile_mma(cache_ptr, chunk_off, kvh * N + chunk_tok, live, H, N, NW,
                                       USE_ASM), tl.trans(q))
@@ -336,7 +343,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         HAS_SOFTCAP=softcap > 0, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None,
         MMA_K=mma_k, NW=num_warps,
-        V_HALVES=v_halves and d >= 32, MMA_V=mma_v, BT_AHEAD=bt_ahead and (mma_k or mma_v),
+        V_HALVES=v_halves and d >= 32, MMA_V=mma_v, BT_AHEAD=bt_ahead,
         num_warps=num_warps,
         num_stages=num_stages)
     if num_splits > 1:

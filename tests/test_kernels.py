@@ -683,7 +683,9 @@ def test_decode_refuses_16_token_tiles(device):
     (128, 128, None, 4, 4, {"mma_v": False, "v_halves": False}),
     (96, 64, None, 4, 4, {"v_halves": False}),
     (128, 128, True, 4, 4, {"bt_ahead": True, "num_stages": 3}),
-    (128, 64, True, 4, 1, {"bt_ahead": True, "num_stages": 4})])
+    (128, 64, True, 4, 1, {"bt_ahead": True, "num_stages": 4}),
+    (128, 128, True, 4, 4, {"bt_ahead": True, "num_stages": 3, "mma_v": False}),
+    (96, 64, None, 4, 4, {"bt_ahead": True, "num_stages": 3})])
 def test_decode_block_n(device, d, block_n, mma_k, warps, qpk, kw):
     """Every tile size the launcher accepts (None: its own choice), one and several splits,
     single-token and multi-page sequences; at D = 128 with K decoded straight into the MMA
