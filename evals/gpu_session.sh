@@ -33,6 +33,8 @@ for w in .whl .whl-lmeval; do
 done
 rm -rf /tmp/ours
 pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ours . 2>&1 | grep -v WARNING
+# the dummy-weight servers take SmolLM2's tokenizer from .tok when carried (evals/serve_bench.py)
+[ -d .tok ] && export SMOLLM2_TOKENIZER=$PWD/.tok
 export PYTHONPATH=/tmp/ours:/tmp/site:/tmp/models PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 # scripts may touch CUDA before vLLM starts its engine process: spawn it, never fork
 export VLLM_WORKER_MULTIPROC_METHOD=spawn

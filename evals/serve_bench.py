@@ -92,9 +92,13 @@ def default_max_model_len(input_len: int, output_len: int) -> int:
 
 
 def llama8b_with_tokenizer() -> Path:
-    """evals/models/llama3-8b config + SmolLM2 tokenizer files, in the assets cache."""
+    """evals/models/llama3-8b config + SmolLM2 tokenizer files, in the assets cache. The
+    tokenizer comes from SMOLLM2_TOKENIZER when set (a folder with SmolLM2's config.json and
+    tokenizer files: what a GPU session carries instead of the 94 MB GGUF), else from the
+    converted model (assets.smollm2())."""
     import assets
-    tok = assets.smollm2()
+    tok = Path(os.environ["SMOLLM2_TOKENIZER"]) if os.environ.get("SMOLLM2_TOKENIZER") \
+        else assets.smollm2()
     out = assets.CACHE / "llama3-8b-shape-smollm2-tokenizer"
     out.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((HERE / "models" / "llama3-8b" / "config.json").read_text())
