@@ -359,6 +359,8 @@ def ab(args):
                     ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
                     ("mma_k_stages3", dict(mma_k=True, num_stages=3)),  # Triton gives the extra
                     # stage to the block-table loads; K/V stay one tile ahead (RESULTS.md)
+                    ("bt_ahead_s4_bn128", dict(mma_k=True, bt_ahead=True, num_stages=4,
+                                               block_n=128)),  # 128-token tiles everywhere
                     *((name, dict(mma_k=True, **kw)) for name, kw in DECODE_VARIANTS.items()
                       if name != "default"))
         variants = [(n, kw) for n, kw in variants
