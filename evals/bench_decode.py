@@ -299,9 +299,13 @@ def bench(args):
 
 
 def tune(args):
+    """Tile size x load pipeline (2 stages, or 3-4 with the block table a tile ahead) x split
+    count (the launcher's, half and twice it) at a few shapes: what choose_block_n,
+    choose_num_splits and the default pipeline depth are set from."""
     device = torch.device("cuda")
     check(args, device)
     shapes = [(1, 32768), (8, 32768), (32, 8192), (64, 32768), (1, 262144)]
+    pipelines = ((False, 2), (True, 3), (True, 4))  # (bt_ahead, num_stages)
     rows = []
     for batch, ctx in shapes:
         p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
@@ -309,19 +313,19 @@ def tune(args):
         out = torch.empty_like(p.q)
         base = choose_num_splits(batch, args.hkv, ctx, device)
         for block_n in (64, 128):
-            for warps in (4, 8):
-                for stages in (1, 2, 3):
-                    for ns in sorted({base, min(64, base * 2)}):
-                        try:
-                            ms = time_fn(run_nvfp4(p, cache, out, block_n=block_n,
-                                                   num_warps=warps, num_stages=stages,
-                                                   num_splits=ns), device)
-                        except Exception as e:  # noqa: BLE001 (out of resources etc.)
-                            print("fail", block_n, warps, stages, type(e).__name__)
-                            continue
-                        gbps = kv_gbps("nvfp4", batch, ctx, args, ms)
-                        rows.append(dict(batch=batch, ctx=ctx, block_n=block_n, warps=warps,
-                                         stages=stages, splits=ns, ms=ms, GBps=gbps))
+            for bt_ahead, stages in pipelines:
+                for ns in sorted({max(1, base // 2), base, min(64, base * 2)}):
+                    try:
+                        ms = time_fn(run_nvfp4(p, cache, out, block_n=block_n,
+                                               bt_ahead=bt_ahead, num_stages=stages,
+                                               num_splits=ns), device)
+                    except Exception as e:  # noqa: BLE001 (out of resources etc.)
+                        print("fail", block_n, bt_ahead, stages, type(e).__name__)
+                        continue
+                    gbps = kv_gbps("nvfp4", batch, ctx, args, ms)
+                    rows.append(dict(batch=batch, ctx=ctx, block_n=block_n,
+                                     bt_ahead=bt_ahead, stages=stages, splits=ns,
+                                     default_splits=base, ms=ms, GBps=gbps))
         best = min((r for r in rows if r["batch"] == batch and r["ctx"] == ctx),
                    key=lambda r: r["ms"])
         print("best", json.dumps(best), flush=True)
