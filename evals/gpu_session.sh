@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|kernel-all|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
+#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -77,8 +77,15 @@ case "${1:?stage}" in
                 -k "decode or codec or write_cache" \
                 2>&1 | tail -3 ;;
   # one call after p1 + p2 for a kernel change (~5 min on 2026-12-05): kernel and backend
-  # tests, the A/B against V in rows, the 4K-1M sweep
-  kernel-all) for stage in tests ab decode; do AB_VARIANTS=${AB_VARIANTS:-v_rows} bash "$0" $stage; done ;;
+  # tests, the A/B of the load pipelines (bt_ahead), the 4K-1M sweep
+  kernel-all) for stage in tests ab decode; do
+                AB_VARIANTS=${AB_VARIANTS:-bt_ahead_s3 bt_ahead_s4 bt_ahead_s4_bn128} bash "$0" $stage
+            done ;;
+  # the load pipelines alone, on a bare machine (no bundle: ours only, no FA3 column; the
+  # mma_k column is the kernel of decode_ab_h200_coalesced.json): A/B, then the decode tests
+  pipeline) AB_VARIANTS="bt_ahead_s3 bt_ahead_s4 bt_ahead_s4_bn128" timeout 330 bash "$0" ab
+            timeout 170 python3 -P -m pytest -q -x tests/test_kernels.py -k "decode or block_n" \
+                2>&1 | tail -3 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
                 2>&1 | grep best ;;
   ws)       timeout 560 python3 evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws \

@@ -11,7 +11,7 @@ Without a GPU, `--sass-only` compiles the kernel for sm_90 (or --arch) with Trit
 and prints just that mix (the number the kernel's design is judged by before any GPU time):
 
     python evals/profile_decode.py --sass-only [--block-n 128 --warps 4 --stages 2]
-        [--full-v] [--v-rows] [--no-mma-k] [--maxnreg 128] [--arch 90|89|80]
+        [--full-v] [--v-rows] [--no-mma-k] [--maxnreg 128] [--bt-ahead] [--arch 90|89|80]
 """
 from __future__ import annotations
 
@@ -62,14 +62,24 @@ def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -
 
 def compile_sass(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 128,
                  mma_k: bool = True, v_halves: bool = True, maxnreg: int | None = None,
-                 arch: int = 90, mma_v: bool = True):
+                 arch: int = 90, mma_v: bool = True, bt_ahead: bool = False):
     """The decode kernel as the launcher specialises it (Llama-3-8B heads, page 16), compiled
     ahead of time for sm_<arch>: no GPU needed."""
     from vllm_nvfp4kv.kernels import aot
     fn, sig, _, _ = aot.specs()["decode"]
     return aot.compile_kernel(fn, sig, aot.decode_constexprs(block_n, warps, qpk, d, mma_k,
-                                                             v_halves=v_halves, mma_v=mma_v),
+                                                             v_halves=v_halves, mma_v=mma_v,
+                                                             bt_ahead=bt_ahead),
                               arch, warps, stages, maxnreg)
+
+
+def async_waits(kernel) -> str:
+    """The cp.async waits of the kernel's SASS (DEPBAR.LE SB0, n: wait until at most n copy
+    groups are in flight). 0 at the loop top means every tile's loads are drained before it
+    is used: no tile is loading while another is computed."""
+    sass = _cuda_tool(kernel, "nvdisasm", "-c")
+    waits = re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass)
+    return f"cp.async waits (groups left in flight): {', '.join(waits) or 'none'}"
 
 
 # per SM: shared memory a kernel may use, resident threads (CUDA programming guide; 65,536
@@ -106,15 +116,18 @@ def main():
     ap.add_argument("--v-rows", action="store_true", help="V decoded in rows and transposed "
                     "through shared memory (not straight into the MMA operand)")
     ap.add_argument("--maxnreg", type=int, help="cap on registers per thread")
+    ap.add_argument("--bt-ahead", action="store_true", help="block-table entries a tile ahead "
+                    "(with --stages 3 or 4: K/V tiles stay in flight across the loop top)")
     ap.add_argument("--arch", type=int, default=90, help="--sass-only: the sm_ target (80, 89: "
                     "mma.sync, where the launcher's default is --no-mma-k)")
     args = ap.parse_args()
     if args.sass_only:
         kernel = compile_sass(args.block_n, args.warps, args.stages, mma_k=not args.no_mma_k,
                               v_halves=not args.full_v, maxnreg=args.maxnreg, arch=args.arch,
-                              mma_v=not args.v_rows)
+                              mma_v=not args.v_rows, bt_ahead=args.bt_ahead)
         print(resources(kernel, args.arch))
         print(loop_mix(kernel, args.block_n, args.warps))
+        print(async_waits(kernel))
         return
     dev = torch.device("cuda")
     p = bd.Problem(args.batch, args.ctx, 32, 8, 128, 16, dev)

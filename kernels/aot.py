@@ -16,7 +16,7 @@ DIV16 = ("page_stride", "stride_qt", "stride_ot", "stride_bt", "stride_kt", "str
 
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
                       mma_k: bool = True, features: bool = False,
-                      v_halves: bool = True, mma_v: bool = True) -> dict:
+                      v_halves: bool = True, mma_v: bool = True, bt_ahead: bool = False) -> dict:
     """The decode kernel's constexprs as decode_attention sets them (Llama-3-8B heads, page
     16, several splits); features: softcap, sliding window and sinks on."""
     mma_k = mma_k and mma_k_applies(d, warps, block_n)
@@ -24,7 +24,11 @@ def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int =
                 G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, SPLIT=True,
                 USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
                 MMA_K=mma_k, NW=warps, V_HALVES=v_halves,
-                MMA_V=mma_v and mma_k and warps == 4)
+                MMA_V=mma_v and mma_k and warps == 4, BT_AHEAD=bt_ahead)
+
+
+# load pipeline depth of the specs that are built for a deeper one (others: 2)
+STAGES = {"decode-bt-ahead": 3, "decode-smem-k-bt-ahead": 3}
 
 
 def specs() -> dict:
@@ -62,6 +66,11 @@ def specs() -> dict:
         "decode": (decode._decode_kernel, decode_sig, decode_constexprs(features=True), 4),
         "decode-smem-k-d96": (decode._decode_kernel, decode_sig,
                               decode_constexprs(d=96, features=True), 4),
+        "decode-bt-ahead": (decode._decode_kernel, decode_sig,
+                            decode_constexprs(features=True, bt_ahead=True), 4),
+        "decode-smem-k-bt-ahead": (decode._decode_kernel, decode_sig,
+                                   decode_constexprs(features=True, mma_k=False, bt_ahead=True),
+                                   4),
         "decode-8warps": (decode._decode_kernel, decode_sig, decode_constexprs(warps=8), 8),
         "decode-full-v": (decode._decode_kernel, decode_sig,
                           decode_constexprs(features=True, v_halves=False, mma_v=False), 4),

@@ -18,7 +18,8 @@ def _compile_all() -> dict:
     for name, (fn, sig, const, warps) in aot.specs().items():
         for arch in ARCHS:
             try:
-                assert aot.compile_kernel(fn, sig, const, arch, warps).asm["cubin"]
+                assert aot.compile_kernel(fn, sig, const, arch, warps,
+                                          aot.STAGES.get(name, 2)).asm["cubin"]
             except Exception as e:  # noqa: BLE001 - reported by the test
                 failures[f"{name} sm_{arch}"] = f"{type(e).__name__}: {e}"[:400]
     return failures
