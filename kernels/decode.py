@@ -225,7 +225,9 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
 # in head-dim halves): 0.60-0.77x FA3 FP8 against the default's 1.14-1.36x on the H200
 # (2026-12-05, decode_ab_h200_coalesced.json). Variants with Q.K^T in halves and registers
 # capped at 128/96 (4-5 programs per SM instead of 3) ran 7-28% slower and were removed
-# (evals/RESULTS.md, "What bounds it").
+# (evals/RESULTS.md, "What bounds it"). bt_ahead_s3/_s4: the block-table entries a tile ahead,
+# so Triton's pipeliner keeps 1 / 2 tiles' copies in flight across the loop top (sm_90 SASS)
+# instead of draining them every tile; not yet timed.
 DECODE_VARIANTS = {
     "default": {},
     "v_rows": dict(mma_v=False),
