@@ -84,33 +84,37 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         acc_hi = tl.zeros([G_PAD * 8, QG_PAD], tl.float32)
     else:
         acc = tl.zeros([G_PAD * 16, QG_PAD], tl.float32)
-    if BT_AHEAD:  # the first tile's block-table entries; later ones a tile ahead, in the loop
-        chunk = lo + 16 * tl.arange(0, BLOCK_N // 16)
-        blk_next = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=chunk < hi, other=0)
+    bt_row = block_table_ptr + b * stride_bt
+    # block-table entries: the MMA loaders take one per 16-token chunk (a page holds whole
+    # chunks), load_page_rows one per token. bt_ahead loads them a tile ahead, so the K/V
+    # copies do not wait on a load of their own iteration and Triton's pipeliner can keep
+    # num_stages - 1 tiles in flight
+    if BT_AHEAD:
+        if MMA_K or MMA_V:
+            blk_next = _entries(bt_row, lo, hi, BLOCK_N // 16, 16, N)
+        if not (MMA_K and MMA_V):
+            blk_rows_next = _entries(bt_row, lo, hi, BLOCK_N, 1, N)
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < hi
-        # the tile's 16-token chunks (a page holds whole chunks): one block-table entry each
         chunk = n0 + 16 * tl.arange(0, BLOCK_N // 16)
         live = chunk < hi
-        if BT_AHEAD:
-            blk = blk_next
-            nxt = chunk + BLOCK_N
-            blk_next = tl.load(block_table_ptr + b * stride_bt + nxt // N, mask=nxt < hi,
-                               other=0)
-        elif MMA_K or MMA_V:
-            blk = tl.load(block_table_ptr + b * stride_bt + chunk // N, mask=live, other=0)
-        if BT_AHEAD or MMA_K or MMA_V:
+        if MMA_K or MMA_V:
+            if BT_AHEAD:
+                blk = blk_next
+                blk_next = _entries(bt_row, n0 + BLOCK_N, hi, BLOCK_N // 16, 16, N)
+            else:
+                blk = _entries(bt_row, n0, hi, BLOCK_N // 16, 16, N)
             chunk_off = blk.to(tl.int64) * page_stride
             chunk_tok = tl.multiple_of(chunk % N, 16)
         if not (MMA_K and MMA_V):  # rows decoded by load_page_rows
-            if BT_AHEAD:  # each token's page from its chunk's entry
-                page_off = tl.reshape(tl.broadcast_to(chunk_off[:, None], (BLOCK_N // 16, 16)),
-                                      (BLOCK_N,))
-                row = kvh * N + tok % N
+            if BT_AHEAD:
+                blk_rows = blk_rows_next
+                blk_rows_next = _entries(bt_row, n0 + BLOCK_N, hi, BLOCK_N, 1, N)
             else:
-                page_off, row, tmask = _locate(block_table_ptr, b, stride_bt, page_stride, kvh,
-                                               tok, hi, N)
+                blk_rows = _entries(bt_row, n0, hi, BLOCK_N, 1, N)
+            page_off = blk_rows.to(tl.int64) * page_stride
+            row = kvh * N + tok % N
         if HAS_WINDOW:
             tmask = tmask & (tok >= start)
         if MMA_K:
@@ -178,12 +182,11 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
 
 
 @triton.jit
-def _locate(block_table_ptr, b, stride_bt, page_stride, kvh, tok, hi, N: tl.constexpr):
-    """Where tokens `tok` (any shape) of sequence b live: (page byte offset, row in the page
-    = head * N + token in page, tok < hi); past hi the page is 0 and the row masked."""
-    mask = tok < hi
-    blk = tl.load(block_table_ptr + b * stride_bt + tok // N, mask=mask, other=0)
-    return blk.to(tl.int64) * page_stride, kvh * N + tok % N, mask
+def _entries(bt_row, first, hi, COUNT: tl.constexpr, STEP: tl.constexpr, N: tl.constexpr):
+    """Block-table entries (pages) of positions first + STEP * i, i < COUNT, of one sequence's
+    row bt_row; 0 at and past hi."""
+    pos = first + STEP * tl.arange(0, COUNT)
+    return tl.load(bt_row + pos // N, mask=pos < hi, other=0)
 
 
 @triton.jit
