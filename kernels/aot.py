@@ -11,8 +11,9 @@ from .decode import mma_k_applies
 
 P = "*u8"
 # what the launchers' arguments are, beyond pointers, known to be multiples of 16
-DIV16 = ("page_stride", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt", "stride_kt",
-         "stride_kh", "stride_vt", "stride_vh")
+# (Triton's launcher specialises every int argument that is one at run time; these are)
+DIV16 = ("page_stride", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
+         "stride_kt", "stride_kh", "stride_vt", "stride_vh")
 
 
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,

@@ -303,9 +303,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     shared-memory staging is half as large (3-5% faster than the full width on the H200).
     mma_v: decode V^T straight into the MMA's register layout (codec.load_vt_mma; default
     where K is (mma_k) and the launch has 4 warps).
-    bt_ahead: load each tile's block-table entries one tile ahead (where K or V is decoded in
-    the MMA layout), so the K/V byte loads no longer wait on a load of their own iteration and
-    Triton's pipeliner keeps num_stages - 1 tiles in flight instead of draining every tile."""
+    bt_ahead: load each tile's block-table entries one tile ahead, so the K/V byte loads no
+    longer wait on a load of their own iteration and Triton's pipeliner keeps num_stages - 1
+    tiles in flight instead of draining every tile (with num_stages >= 3; evals/RESULTS.md,
+    "What bounds it"; not yet timed, so off by default)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
