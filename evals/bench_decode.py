@@ -240,7 +240,9 @@ def kv_gbps(name: str, batch: int, ctx: int, args, ms: float) -> float:
 def bench(args):
     device = torch.device("cuda" if torch.cuda.is_available() and not args.toy else "cpu")
     res = header(args, device)
-    res["check_max_err"] = max(check(args, device).values())
+    variant = DECODE_VARIANTS[args.variant]
+    res["variant"] = args.variant
+    res["check_max_err"] = max(check(args, device, **variant).values())
     copy_bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     res["copy_bandwidth_GBps"] = copy_bw / 1e9
     print(f"# {res['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
@@ -261,7 +263,7 @@ def bench(args):
                    "splits": choose_num_splits(batch, args.hkv, ctx, device)}
             cache = p.nvfp4_cache()
             out = torch.empty_like(p.q)
-            row["nvfp4_ms"] = time_fn(run_nvfp4(p, cache, out), device)
+            row["nvfp4_ms"] = time_fn(run_nvfp4(p, cache, out, **variant), device)
             del cache
             try:  # vLLM's int4 decode hit an illegal address at 16 x 16K tokens on an H200
                 if batch * ctx > args.int4_max_tokens:
@@ -496,6 +498,8 @@ def main():
     ap.add_argument("--split-sweep", action="store_true", help="see split_sweep()")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")
+    ap.add_argument("--variant", default="default", choices=sorted(DECODE_VARIANTS),
+                    help="the sweep's NVFP4 launch variant (kernels.decode.DECODE_VARIANTS)")
     ap.add_argument("--once", action="store_true",
                     help="run each timed function once, untimed (under compute-sanitizer)")
     args = ap.parse_args()

@@ -60,8 +60,10 @@ case "${1:?stage}" in
   serve-bench) timeout 560 python3 evals/serve_bench.py --input-len 8192 --output-len 256 \
                 --num-prompts 64 --max-concurrency 32 --out "$OUT/serve_bench_h200.json" \
                 2>&1 | tail -8 ;;
+  # SWEEP_VARIANT=bt_ahead_s3: the sweep with a DECODE_VARIANTS launch variant
   decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 --int4-max-tokens 0 --ctx 4096 16384 32768 131072 524288 1048576 \
-                --out "$OUT/decode_h200.json" 2>&1 | quiet | tail -40 ;;
+                ${SWEEP_VARIANT:+--variant $SWEEP_VARIANT} \
+                --out "$OUT/decode_h200${SWEEP_VARIANT:+_$SWEEP_VARIANT}.json" 2>&1 | quiet | tail -40 ;;
   # AB_VARIANTS="v_rows mma_k_bn64": a subset (each variant compiles for ~10-20 s)
   ab)       timeout 560 python3 evals/bench_decode.py --ab --out "$OUT/decode_ab_h200.json" \
                 ${AB_VARIANTS:+--variants $AB_VARIANTS} \
