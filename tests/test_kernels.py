@@ -635,6 +635,25 @@ def test_decode_features(device, window, softcap, sinks, splits):
     _check_decode(out, ref, seq_lens)
 
 
+@pytest.mark.parametrize("mma_k", [True, False], ids=["mma", "rows"])
+def test_decode_bt_ahead_window_softcap_sinks(device, mma_k):
+    """Block-table entries a tile ahead (bt_ahead, 3 stages) where the first tile starts
+    inside the window (HAS_WINDOW moves each split's start), with softcap, sinks and several
+    splits, in the MMA layout (D = 128) and in rows."""
+    d, n, hkv, qpk = 128, 32, 1, 4
+    seq_lens = [700, 16, 1, 0, 200]
+    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, 1.25, 0.4, seed=5)
+    sinks = torch.tensor([-1.0, 0.5, 3.0, 8.0], device=device)
+    sm = 2.0 * d ** -0.5
+    ref = _ref_decode(q, cache, table, sl, sm, 1.25, 0.4, sliding_window=400, softcap=20.0,
+                      sinks=sinks)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+    K.decode_attention(q, cache, table, sl, out, sm, 1.25, 0.4, sliding_window=400,
+                       softcap=20.0, sinks=sinks, num_splits=2, block_n=64, mma_k=mma_k,
+                       bt_ahead=True, num_stages=3)
+    _check_decode(out, ref, seq_lens)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_decode_random_configs(device, seed):
     """Seeded random sweep over every decode option at once: head dim, block size, GQA ratio,
