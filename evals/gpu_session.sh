@@ -67,7 +67,7 @@ case "${1:?stage}" in
   # AB_VARIANTS="v_rows mma_k_bn64": a subset (each variant compiles for ~10-20 s)
   ab)       timeout 560 python3 evals/bench_decode.py --ab --out "$OUT/decode_ab_h200.json" \
                 ${AB_VARIANTS:+--variants $AB_VARIANTS} \
-                2>&1 | quiet | tail -12 ;;
+                2>&1 | quiet | tail -22 ;;
   splits)   timeout 560 python3 evals/bench_decode.py --split-sweep \
                 --out "$OUT/decode_splits_h200.json" 2>&1 | grep best ;;
   reliability) timeout 500 python3 -P -m pytest -q -rs tests/test_reliability.py -k "fuzz_triton \
