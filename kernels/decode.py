@@ -97,9 +97,9 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     for n0 in range(lo, hi, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < hi
-        chunk = n0 + 16 * tl.arange(0, BLOCK_N // 16)
-        live = chunk < hi
         if MMA_K or MMA_V:
+            chunk = n0 + 16 * tl.arange(0, BLOCK_N // 16)
+            live = chunk < hi
             if BT_AHEAD:
                 blk = blk_next
                 blk_next = _entries(bt_row, n0 + BLOCK_N, hi, BLOCK_N // 16, 16, N)
