@@ -40,7 +40,9 @@ def _cuda_tool(kernel, tool: str, *args: str) -> str:
 
 
 def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -> str:
-    """Instruction counts of the longest loop in the kernel's SASS."""
+    """Instruction counts of the longest loop in the kernel's SASS, and the kernel's cp.async
+    waits (DEPBAR.LE SB0, n: wait until at most n copy groups are in flight; 0 at the loop top
+    means each tile's loads are drained before it is used, none loading while one computes)."""
     sass = _cuda_tool(kernel, "nvdisasm", "-c")
     lines = [re.sub(r"/\*[^*]*\*/", "", x) for x in sass.splitlines()]
     labels = {m.group(1): i for i, x in enumerate(lines)
@@ -57,7 +59,9 @@ def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -
     n = sum(ops.values())
     return (f"loop: {n} instructions/thread per {block_n}-token tile, "
             f"{n * num_warps / (block_n * bytes_per_token):.3f} warp-instructions per KV byte; "
-            f"top: {ops.most_common(10)}")
+            f"top: {ops.most_common(10)}\n"
+            f"cp.async waits (groups left in flight): "
+            f"{', '.join(re.findall(r'DEPBAR.LE SB0, (0x[0-9a-f]+)', sass)) or 'none'}")
 
 
 def compile_sass(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 128,
@@ -71,15 +75,6 @@ def compile_sass(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 1
                                                              v_halves=v_halves, mma_v=mma_v,
                                                              bt_ahead=bt_ahead),
                               arch, warps, stages, maxnreg)
-
-
-def async_waits(kernel) -> str:
-    """The cp.async waits of the kernel's SASS (DEPBAR.LE SB0, n: wait until at most n copy
-    groups are in flight). 0 at the loop top means every tile's loads are drained before it
-    is used: no tile is loading while another is computed."""
-    sass = _cuda_tool(kernel, "nvdisasm", "-c")
-    waits = re.findall(r"DEPBAR\.LE SB0, (0x[0-9a-f]+)", sass)
-    return f"cp.async waits (groups left in flight): {', '.join(waits) or 'none'}"
 
 
 # per SM: shared memory a kernel may use, resident threads (CUDA programming guide; 65,536
@@ -127,7 +122,6 @@ def main():
                               mma_v=not args.v_rows, bt_ahead=args.bt_ahead)
         print(resources(kernel, args.arch))
         print(loop_mix(kernel, args.block_n, args.warps))
-        print(async_waits(kernel))
         return
     dev = torch.device("cuda")
     p = bd.Problem(args.batch, args.ctx, 32, 8, 128, 16, dev)
