@@ -23,9 +23,10 @@ def _jit_here(fn):
     return triton.jit(types.FunctionType(fn.__code__, globals(), fn.__name__, fn.__defaults__))
 
 
-# format.py's V slot rules, written once there in operators Triton compiles as they are
+# format.py's V slot and word bit rules, written once there in operators Triton compiles as they are
 v_slot = _jit_here(_format.v_slot)
 v_token_bytes = _jit_here(_format.v_token_bytes)
+element_bits = _jit_here(_format.element_bits)
 
 
 def _word_asm(pair_rotation, sign_rotation) -> str:
@@ -141,7 +142,8 @@ def _bit_positions(k, p, V: tl.constexpr):
         rho, sigma = _by_pair(k, VR0, VR1, VR2, VR3), _by_pair(k, VS0, VS1, VS2, VS3)
     else:
         rho, sigma = _by_pair(k, KR0, KR1, KR2, KR3), _by_pair(k, KS0, KS1, KS2, KS3)
-    return ((9 + 16 * p + rho) % 32).to(tl.uint32), ((15 + 16 * p + sigma) % 32).to(tl.uint32)
+    mag, sign = element_bits(p, rho, sigma)
+    return mag.to(tl.uint32), sign.to(tl.uint32)
 
 
 @triton.jit

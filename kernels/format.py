@@ -73,10 +73,16 @@ VWORD_PAIR_ROTATION = (0, 7, 3, 10)    # V words: p = 0's 16 bits are exactly bi
 VWORD_SIGN_ROTATION = (0, 7, 8, 25)
 
 
+def element_bits(p, pair_rotation, sign_rotation):
+    """(lowest magnitude bit, sign bit) of element 2k + p of a word, given pair k's rotations
+    (ints, integer tensors, or Triton tensors: codec jits this)."""
+    return (9 + 16 * p + pair_rotation) % 32, (15 + 16 * p + sign_rotation) % 32
+
+
 def word_bits(pair_rotation, sign_rotation):
     """(magnitude bit, sign bit) of elements e = 2k + p, 0..7, of a word layout."""
-    return (tuple((9 + 16 * p + pair_rotation[k]) % 32 for k in range(4) for p in (0, 1)),
-            tuple((15 + 16 * p + sign_rotation[k]) % 32 for k in range(4) for p in (0, 1)))
+    bits = [element_bits(p, pair_rotation[k], sign_rotation[k]) for k in range(4) for p in (0, 1)]
+    return tuple(m for m, _ in bits), tuple(s for _, s in bits)
 
 
 WORD_MAG_BITS, WORD_SIGN_BITS = word_bits(WORD_PAIR_ROTATION, WORD_SIGN_ROTATION)
