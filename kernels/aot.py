@@ -30,7 +30,7 @@ def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int =
 
 
 # load pipeline depth of the specs that are built for a deeper one (others: 2)
-STAGES = {"decode-bt-ahead": 3, "decode-smem-k-bt-ahead": 3}
+STAGES = {"decode": 4, "decode-smem-k-bt-ahead": 3}
 
 
 def specs() -> dict:
@@ -65,11 +65,12 @@ def specs() -> dict:
                         stride_oh="i32"),
                    dict(H=8, N=16, D=128, G_PAD=8, BLOCK_T=32, USE_ASM=True,
                         HAS_OUT_STARTS=True), 4),
-        "decode": (decode._decode_kernel, decode_sig, decode_constexprs(features=True), 4),
+        # the Hopper launch: block-table entries a tile ahead, 4 load stages (STAGES)
+        "decode": (decode._decode_kernel, decode_sig,
+                   decode_constexprs(features=True, bt_ahead=True), 4),
         "decode-smem-k-d96": (decode._decode_kernel, decode_sig,
                               decode_constexprs(d=96, features=True), 4),
-        "decode-bt-ahead": (decode._decode_kernel, decode_sig,
-                            decode_constexprs(features=True, bt_ahead=True), 4),
+        "decode-drain": (decode._decode_kernel, decode_sig, decode_constexprs(features=True), 4),
         "decode-smem-k-bt-ahead": (decode._decode_kernel, decode_sig,
                                    decode_constexprs(features=True, mma_k=False, bt_ahead=True),
                                    4),

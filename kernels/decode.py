@@ -233,9 +233,11 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
 # instead of draining them every tile; not yet timed.
 DECODE_VARIANTS = {
     "default": {},
-    "v_rows": dict(mma_v=False),
+    # the default before 2026-12-05: block-table entries in the tile's own iteration, so
+    # Triton drains the K/V copies every tile (1.13-1.19x slower on the H200 at batch >= 4)
+    "drain": dict(bt_ahead=False, num_stages=2),
+    "v_rows": dict(mma_v=False, bt_ahead=False, num_stages=2),
     "bt_ahead_s3": dict(bt_ahead=True, num_stages=3),
-    "bt_ahead_s4": dict(bt_ahead=True, num_stages=4),
 }
 
 
@@ -286,10 +288,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      v_scale, sliding_window: int | None = None, softcap: float = 0.0,
                      sinks: torch.Tensor | None = None, num_splits: int | None = None,
                      max_seq_len: int | None = None, block_n: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2,
+                     num_warps: int = 4, num_stages: int | None = None,
                      use_asm: bool | None = None, mma_k: bool | None = None,
                      v_halves: bool = True, mma_v: bool | None = None,
-                     bt_ahead: bool = False) -> torch.Tensor:
+                     bt_ahead: bool | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -306,7 +308,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     bt_ahead: load each tile's block-table entries one tile ahead, so the K/V byte loads no
     longer wait on a load of their own iteration and Triton's pipeliner keeps num_stages - 1
     tiles in flight instead of draining every tile (with num_stages >= 3; evals/RESULTS.md,
-    "What bounds it"; not yet timed, so off by default)."""
+    "What bounds it"). Default: on, with 4 stages, where K and V^T are decoded into the MMA
+    layouts in tiles of <= 128 tokens (the Hopper default: 1.09-1.19x faster than without at
+    batch >= 4 on an H200, evals/results/decode_ab_h200_bt_ahead.json); elsewhere off with 2
+    stages (untimed)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -329,6 +334,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     mma_k = mma_ok and (has_wgmma(dev) if mma_k is None else mma_k)
     mma_v = mma_k and num_warps == 4 if mma_v is None else mma_v
     assert not mma_v or (mma_k and num_warps == 4), "mma_v needs mma_k and 4 warps"
+    bt_ahead = mma_v and block_n <= 128 if bt_ahead is None else bt_ahead
+    num_stages = num_stages or (4 if bt_ahead else 2)
     k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
     v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)
     # the split count is a runtime argument (S_PAD covers up to 64): an eager mixed batch

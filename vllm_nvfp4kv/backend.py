@@ -63,8 +63,9 @@ def options() -> dict:
       NVFP4KV_ROTATE_K=auto the writer reads the layer's choice from a device flag.
     NVFP4KV_DECODE_VARIANT (default "default"): the decode kernel's launch variant
       (kernels.decode.DECODE_VARIANTS: "v_rows", V decoded in rows and transposed through
-      shared memory instead of straight into the MMA operand; "bt_ahead_s3" / "bt_ahead_s4",
-      block-table entries a tile ahead with 3 / 4 load stages), for serving A/Bs."""
+      shared memory instead of straight into the MMA operand; "drain", the block-table
+      entries loaded in the tile's own iteration (the default before 2026-12-05);
+      "bt_ahead_s3", entries a tile ahead with 3 load stages instead of 4), for serving A/Bs."""
     env = os.environ.get
     return {"four_over_six": env("NVFP4KV_FOUR_OVER_SIX", "1") == "1",
             "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
