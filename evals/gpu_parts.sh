@@ -5,8 +5,10 @@
 #   .tok                   SmolLM2's config.json and tokenizer files (3.5 MB): all the
 #                          dummy-weight benchmarks (serve_bench, multiturn) need of it
 #   .kit                   vLLM's Python and FlashAttention-3 alone, from the bundle's p1/p2
-#                          (15 MB, after ../shared/gpu/make-bundle .gpu): the FA3 FP8/BF16
-#                          columns of evals/bench_decode.py in one call, without p1-p3
+#                          (15 MB, after ../shared/gpu/make-bundle .gpu): with p2 in the
+#                          call before (FA3 imports vllm._C_stable_libtorch, p2's C.tar.xz,
+#                          56 MB: too big to join .kit), the FA3 FP8/BF16 columns of
+#                          evals/bench_decode.py without p1 and p3
 #   .qwen/00 .. .qwen/17   Qwen2.5-Coder-1.5B GGUF in 18 pieces (lm-eval, decode_check)
 #   .gemma/00 .. .gemma/04 Gemma 3 270M GGUF in 5 pieces (fidelity)
 #   .whl-lmeval            py3.12 wheels the GPU image lacks: lm-eval and its dependencies,

@@ -85,9 +85,10 @@ case "${1:?stage}" in
   kernel-all) for stage in tests ab decode; do
                 AB_VARIANTS=${AB_VARIANTS:-$PIPELINE_VARIANTS} bash "$0" $stage
             done ;;
-  # the load pipelines alone, in one call: `bash .kit/install-bundle && bash evals/gpu_session.sh
-  # pipeline` with .kit carried (FA3 columns; on a bare machine: ours only, where the mma_k
-  # column is the kernel of decode_ab_h200_coalesced.json): A/B, then the decode tests
+  # the load pipelines alone: `bash .gpu/p2/install-bundle` (its C.tar.xz holds the
+  # vllm._C_stable_libtorch FA3 imports), then `bash .kit/install-bundle && bash
+  # evals/gpu_session.sh pipeline` with .kit carried (with .kit alone: ours only, no FA3
+  # columns, 2026-12-05): A/B, then the decode tests
   pipeline) AB_VARIANTS="$PIPELINE_VARIANTS" timeout 330 bash "$0" ab
             timeout 170 python3 -P -m pytest -q -x tests/test_kernels.py -k "decode or block_n" \
                 2>&1 | tail -3 ;;
