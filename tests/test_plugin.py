@@ -139,3 +139,23 @@ def test_page_size_equals_vllm_spec(block_size, heads, head_size):
     assert shape[0] == 7
     if head_size == 128:
         assert spec.page_size_bytes // (block_size * heads) == 144  # bytes per token per head
+
+
+def test_cross_layer_layout_keeps_each_layers_pages_whole():
+    """KV offloading allocates all layers in one buffer ordered by
+    get_kv_cache_stride_order(include_num_layers_dimension=True) and gives each layer the
+    permuted view (kv_connector_model_runner_mixin.allocate_uniform_kv_caches): a layer's page
+    must stay one contiguous run of bytes (the kernels take only a page stride), and one block
+    of every layer must be one contiguous run (what the offloader copies per block)."""
+    layers, nb, n, h, d = 3, 5, 16, 2, 64
+    shape = (layers, *NvFp4AttentionBackend.get_kv_cache_shape(nb, n, h, d, "nvfp4"))
+    order = NvFp4AttentionBackend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+    buf = torch.arange(math.prod(shape)).view(tuple(shape[i] for i in order))
+    per_layer = buf.permute(*[order.index(i) for i in range(len(order))])
+    page = math.prod(shape[2:])
+    assert buf.shape[0] == nb and buf[2].is_contiguous()  # a block: every layer's page
+    for layer in range(layers):
+        view = per_layer[layer]
+        assert view.shape == shape[1:] and view.stride(0) == layers * page
+        assert all(view[b].is_contiguous() for b in range(nb))
+        assert int(view[4, 0, 0, 0]) == (4 * layers + layer) * page
