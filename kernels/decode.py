@@ -225,12 +225,12 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
 # Launch variants, A/B'd by evals/bench_decode.py --ab and chosen in the backend by
 # NVFP4KV_DECODE_VARIANT. The default on Hopper at D = 128 decodes V^T straight into the MMA
 # operand (mma_v); "v_rows" decodes V in rows and transposes it through shared memory (P.V
-# in head-dim halves): 0.60-0.77x FA3 FP8 against the default's 1.14-1.36x on the H200
+# in head-dim halves): 0.60-0.77x FA3 FP8 against the then default's 1.14-1.36x on the H200
 # (2026-12-05, decode_ab_h200_coalesced.json). Variants with Q.K^T in halves and registers
 # capped at 128/96 (4-5 programs per SM instead of 3) ran 7-28% slower and were removed
-# (evals/RESULTS.md, "What bounds it"). bt_ahead_s3/_s4: the block-table entries a tile ahead,
-# so Triton's pipeliner keeps 1 / 2 tiles' copies in flight across the loop top (sm_90 SASS)
-# instead of draining them every tile; not yet timed.
+# (evals/RESULTS.md, "What bounds it"). The default loads the block-table entries a tile
+# ahead with 4 stages, so Triton's pipeliner keeps 2 tiles' copies in flight across the loop
+# top; "bt_ahead_s3" keeps 1, "drain" none (decode_ab_h200_bt_ahead.json).
 DECODE_VARIANTS = {
     "default": {},
     # the default before 2026-12-05: block-table entries in the tile's own iteration, so
@@ -335,7 +335,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     mma_v = mma_k and num_warps == 4 if mma_v is None else mma_v
     assert not mma_v or (mma_k and num_warps == 4), "mma_v needs mma_k and 4 warps"
     bt_ahead = mma_v and block_n <= 128 if bt_ahead is None else bt_ahead
-    num_stages = num_stages or (4 if bt_ahead else 2)
+    if num_stages is None:
+        num_stages = 4 if bt_ahead else 2
     k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
     v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)
     # the split count is a runtime argument (S_PAD covers up to 64): an eager mixed batch
