@@ -517,7 +517,8 @@ def test_decode_variant_option():
     assert impl.decode_variant == {}
     with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "v_rows"}):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
-    assert impl.decode_variant == DECODE_VARIANTS["v_rows"] == {"mma_v": False}
+    assert impl.decode_variant == DECODE_VARIANTS["v_rows"]
+    assert impl.decode_variant == {"mma_v": False, "bt_ahead": False, "num_stages": 2}
     with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "fast"}), \
             pytest.raises(ValueError, match="NVFP4KV_DECODE_VARIANT"):
         NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
