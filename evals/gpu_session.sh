@@ -102,10 +102,15 @@ case "${1:?stage}" in
                 --out "$OUT/options_cost_h200.json" 2>&1 | grep -E "tok/s|rror|failed" ;;
   ws-fidelity) timeout 560 python3 evals/fidelity.py --variants workspace --texts 48 --chunk 64 \
                 --out "$OUT/fidelity_workspace_smollm2_h200.json" 2>&1 | grep -E "^\||failed" ;;
-  multiturn-off|multiturn-on) timeout 570 python3 evals/multiturn.py --dtypes fp8 nvfp4 \
-                --offload "${1#multiturn-}" --budget-s 430 \
-                --workload /tmp/multiturn_h200.workload.jsonl \
-                --out "$OUT/multiturn_h200_${1#multiturn-}.json" 2>&1 | tail -12 ;;
+  # MT_DTYPES / MT_C narrow a rerun (e.g. MT_DTYPES=nvfp4 MT_C=16: the point a run left out);
+  # the file is named by the GPU it ran on; join the files with multiturn.py --combine
+  multiturn-off|multiturn-on) gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader \
+                | grep -oiE 'H100|H200|[A-Z][0-9]+' | head -1 | tr A-Z a-z)
+                tag=${MT_DTYPES:+_${MT_DTYPES// /-}}${MT_C:+_c${MT_C// /-}}
+                timeout 570 python3 evals/multiturn.py --dtypes ${MT_DTYPES:-fp8 nvfp4} \
+                ${MT_C:+--concurrency $MT_C} --offload "${1#multiturn-}" --budget-s 430 \
+                --workload /tmp/multiturn_gpu.workload.jsonl \
+                --out "$OUT/multiturn_${gpu}_${1#multiturn-}$tag.json" 2>&1 | tail -12 ;;
   # one dtype per call: a server's first start on a fresh machine compiles for ~4 min, so
   # both in one call ran out of time (2026-12-04); join: serve_bench.py --combine
   sweep-32k-fp8|sweep-32k-nvfp4) timeout 570 python3 evals/serve_bench.py --dtypes "${1#sweep-32k-}" \

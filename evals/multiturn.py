@@ -32,15 +32,16 @@ bytes; its pages are the engine's pages, so NVFP4 pages stay 4-bit there too). v
 platform refuses it ("CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"):
 on a CPU machine `--offload on` rows record that refusal.
 
-    # GPU (Llama-3-8B shape, dummy weights, histories up to 32K tokens; ~7-8 min per call on
-    # an H200 with two servers), then join the two on any machine (the workload is rebuilt
-    # bit for bit by --workload-only --sizes gpu; its sha256 is in the JSON):
+    # GPU (Llama-3-8B shape, dummy weights, histories up to 32K tokens; ~7-8 min per call
+    # with two servers; evals/gpu_session.sh multiturn-off|multiturn-on), then join the
+    # calls' files on any machine (--combine refuses different workloads or GPU models; the
+    # workload is rebuilt bit for bit by --workload-only --sizes gpu, its sha256 is in the JSON):
     python evals/multiturn.py --dtypes fp8 nvfp4 --offload off --budget-s 430 \\
-        --workload /tmp/multiturn_h200.workload.jsonl --out evals/results/multiturn_h200_off.json
+        --workload /tmp/multiturn_gpu.workload.jsonl --out evals/results/multiturn_h100_off.json
     python evals/multiturn.py --dtypes fp8 nvfp4 --offload on --budget-s 430 \\
-        --workload /tmp/multiturn_h200.workload.jsonl --out evals/results/multiturn_h200_on.json
-    python evals/multiturn.py --combine evals/results/multiturn_h200_{off,on}.json \\
-        --out evals/results/multiturn_h200.json
+        --workload /tmp/multiturn_gpu.workload.jsonl --out evals/results/multiturn_h100_on.json
+    python evals/multiturn.py --combine evals/results/multiturn_h100_{off,on}.json \\
+        --out evals/results/multiturn_h100.json
     # CPU (SmolLM2-135M, tiny sizes; offload on only records vLLM's refusal):
     python evals/multiturn.py --dtypes auto nvfp4 --offload off on \\
         --out evals/results/multiturn_cpu.json
@@ -336,17 +337,18 @@ def summarize(res: dict, m0: dict, m1: dict) -> dict:
 
 # ---------------------------------------------------------------- plot
 def combine(parts: list[dict], files: list[str]) -> dict:
-    """Servers and rows of several results of the same workload; a (dtype, offload) pair
-    measured by a later file replaces an earlier file's."""
-    if len({r["workload_sha256_16"] for r in parts}) != 1:
-        raise SystemExit("--combine: the results come from different workloads")
-    keep = [(r, {(x["kv_dtype"], x["offload"]) for q in parts[i + 1:] for x in q["servers"]})
-            for i, r in enumerate(parts)]
+    """Servers and rows of several results of the same workload on the same GPU model; a
+    later file's (dtype, offload, concurrency) row replaces an earlier file's."""
+    for k in ("workload_sha256_16", "device"):
+        if len({r[k] for r in parts}) != 1:
+            raise SystemExit(f"--combine: the results differ in {k}")
+    rows: dict[tuple, dict] = {}
+    for r in parts:
+        for x in r["rows"]:
+            rows[(x["kv_dtype"], x["offload"], x.get("concurrency"))] = x
     return {**parts[0], "combined_from": [str(f) for f in files],
-            "servers": [x for r, later in keep for x in r["servers"]
-                        if (x["kv_dtype"], x["offload"]) not in later],
-            "rows": [x for r, later in keep for x in r["rows"]
-                     if (x["kv_dtype"], x["offload"]) not in later],
+            "servers": [x for r in parts for x in r["servers"]],
+            "rows": list(rows.values()),
             "args": {**parts[0]["args"], "offload": sorted(
                 {o for r in parts for o in r["args"]["offload"]})}}
 

@@ -49,3 +49,29 @@ def test_jsonl_round_trip(tmp_path):
     assert back["header"]["seed"] == 3 and back["header"]["vocab"] == 1000
     assert tuple(back["header"]["params"]["reply"]) == tuple(P["reply"])
     assert mt.workload_stats(back)["turns"] == sum(len(s["turns"]) for s in w["sessions"])
+
+
+def _res(rows, device="GPU A", sha="w1", offload=("off",)):
+    return {"workload_sha256_16": sha, "device": device, "args": {"offload": list(offload)},
+            "servers": [{"kv_dtype": r[0], "offload": r[1]} for r in rows],
+            "rows": [{"kv_dtype": d, "offload": o, "concurrency": c, "hit_rate": h}
+                     for d, o, c, h in rows]}
+
+
+def test_combine_replaces_rows_by_dtype_offload_and_concurrency():
+    a = _res([("fp8", "off", 8, 0.5), ("nvfp4", "off", 2, 0.8), ("nvfp4", "off", 8, 0.9)])
+    b = _res([("nvfp4", "off", 16, 0.7), ("nvfp4", "off", 8, 0.85)])
+    c = _res([("nvfp4", "on", 8, 0.95)], offload=("on",))
+    got = mt.combine([a, b, c], ["a", "b", "c"])
+    hits = {(r["kv_dtype"], r["offload"], r["concurrency"]): r["hit_rate"] for r in got["rows"]}
+    assert hits == {("fp8", "off", 8): 0.5, ("nvfp4", "off", 2): 0.8,
+                    ("nvfp4", "off", 8): 0.85, ("nvfp4", "off", 16): 0.7,
+                    ("nvfp4", "on", 8): 0.95}
+    assert got["args"]["offload"] == ["off", "on"] and len(got["servers"]) == 6
+
+
+def test_combine_refuses_other_workloads_or_gpus():
+    import pytest
+    for other in (_res([], sha="w2"), _res([], device="GPU B")):
+        with pytest.raises(SystemExit):
+            mt.combine([_res([]), other], ["a", "b"])
