@@ -162,13 +162,14 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     assert kv_cache.dtype == torch.uint8 and kv_cache.shape[1] == 2 * h
     assert key.stride(-1) == 1 and value.stride(-1) == 1
     assert kv_cache[0].is_contiguous(), "each page must be contiguous"
+    # a flag tensor is never read on the host here (bool() would sync: no CUDA graph capture)
+    flag = rotate_k if isinstance(rotate_k, torch.Tensor) else None
+    assert flag is None or (flag.dtype == torch.int32 and flag.numel() == 1)
+    rotate_k = flag is not None or bool(rotate_k)
     if rotate_k or k_sub is not None:  # the transform reads whole rows
         assert d & (d - 1) == 0 and key.stride(2) == 1
         assert k_sub is None or (k_sub.shape == (h, d) and k_sub.is_contiguous()
                                  and k_sub.dtype == key.dtype)
-    flag = rotate_k if isinstance(rotate_k, torch.Tensor) else None
-    assert flag is None or (flag.dtype == torch.int32 and flag.numel() == 1)
-    rotate_k = flag is not None or bool(rotate_k)
     rot_c = hadamard_entry(d, key.dtype) if rotate_k else 1.0
     _write_kernel[(t, h)](
         key, value, kv_cache, slot_mapping,

@@ -843,17 +843,24 @@ def test_choose_num_splits():
     (128, torch.float16, True, False), (64, torch.float32, True, True),
     (256, torch.bfloat16, True, True), (128, torch.bfloat16, True, "flag1"),
     (128, torch.bfloat16, True, "flag0")])
-def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot):
+def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot, monkeypatch):
     """k_sub / rotate_k in the writer: the same cache as the torch path it replaces
     (cache_space.CacheSpace.key: rotate(key - k_sub), each rounded to key's dtype, then
     reference.write_cache), up to a rare last-bit difference from the order of fp32 sums that
     can move a value across an E2M1 rounding threshold. K carries Qwen-like offset channels
     (~350) that the subtraction removes; V is written as usual. "flagN": rotate_k given as a
-    device flag (the per-layer choice, read at run time) holding N."""
+    device flag (the per-layer choice, read at run time) holding N, which the host never
+    reads (bool() of it would sync, and CUDA graph capture fails: found on an H100)."""
     flag = None
     if isinstance(rot, str):
         flag = torch.tensor([int(rot[-1])], dtype=torch.int32, device=device)
         rot = bool(int(rot[-1]))
+        host_bool = torch.Tensor.__bool__
+
+        def no_host_read(x):
+            assert x is not flag, "write_cache read the rotation flag on the host"
+            return host_bool(x)
+        monkeypatch.setattr(torch.Tensor, "__bool__", no_host_read)
     from vllm_nvfp4kv.kernels.rotation import rotate
     n, h, nb = 16, 2, 3
     gen = _gen(d + 5)
