@@ -2,7 +2,10 @@
 CI, CUDA when there is a GPU) with the NVFP4 cache: greedy answers to short prompts match the
 BF16-cache run token for token while the model is confident. Where the BF16 run's top two
 tokens are within MARGIN nats (a near tie: on the H200 "Paris." vs "Paris," at token 7), 4-bit
-KV may pick the other one; from there the continuations are not comparable."""
+KV may pick the other one; from there the continuations are not comparable. On an H100 the
+tie is at token 0 of the first answer (BF16 logits one bf16 step apart, 0.125 nats: "The
+capital..." vs "L'Étoile..."), where FP8 KV flips too, so no answer's words are asserted
+for our run beyond what the BF16 run said with a margin."""
 import importlib.util
 import os
 import sys
@@ -39,7 +42,7 @@ def _first_divergence(a, b):
 def test_smollm2_greedy_matches_bf16_cache():
     ref = _answers("auto")
     ours = _answers("nvfp4")
-    assert "Paris" in ours[0].text
+    assert "Paris" in ref[0].text  # the model itself answers; ours must follow it (below)
     for r, o in zip(ref, ours):
         i = _first_divergence(r.token_ids, o.token_ids)
         if i is None:
