@@ -346,7 +346,9 @@ def combine(parts: list[dict], files: list[str]) -> dict:
     for r in parts:
         for x in r["rows"]:
             rows[(x["kv_dtype"], x["offload"], x.get("concurrency"))] = x
+    dates = sorted({r["date"] for r in parts})
     return {**parts[0], "combined_from": [str(f) for f in files],
+            "date": dates[0] if len(dates) == 1 else f"{dates[0]} .. {dates[-1]}",
             "servers": [x for r in parts for x in r["servers"]],
             "rows": list(rows.values()),
             "args": {**parts[0]["args"], "offload": sorted(

@@ -52,7 +52,8 @@ def test_jsonl_round_trip(tmp_path):
 
 
 def _res(rows, device="GPU A", sha="w1", offload=("off",)):
-    return {"workload_sha256_16": sha, "device": device, "args": {"offload": list(offload)},
+    return {"workload_sha256_16": sha, "device": device, "date": "2026-12-05 13:00:00",
+            "args": {"offload": list(offload)},
             "servers": [{"kv_dtype": r[0], "offload": r[1]} for r in rows],
             "rows": [{"kv_dtype": d, "offload": o, "concurrency": c, "hit_rate": h}
                      for d, o, c, h in rows]}
