@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H100/H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
+#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|step-prefill|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -133,6 +133,10 @@ case "${1:?stage}" in
   step-fused) NVFP4KV_FUSE_TRANSFORMS=1 timeout 560 python3 evals/profile_step.py --dtypes nvfp4 \
                 --batch 16 --ctx 8192 --out "$OUT/profile_step_${GPU}_fused.json" 2>&1 \
                 | grep -E "^  |us of GPU" ;;
+  # the prefill by kernel (TTFT): FP8 KV runs FA3 in FP8, our initial prefill in BF16
+  step-prefill) timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+fp8ws \
+                --batch 4 --ctx 32768 --prefill-chunk 8192 \
+                --out "$OUT/profile_prefill_${GPU}.json" 2>&1 | grep -E "^  |ms of GPU" ;;
   capacity) timeout 560 python3 evals/bench_e2e.py --dtypes auto fp8 nvfp4 --inputs 1024 \
                 --requests 1 --output-tokens 2 --gpu-memory-utilization 0.9 \
                 --out "$OUT/capacity_${GPU}.json" 2>&1 | grep -E "^ +(auto|fp8|nvfp4) " ;;

@@ -9,6 +9,16 @@ decode throughput a server sees at this batch).
 
     python evals/profile_step.py --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \\
         --out evals/results/profile_step_h200.json
+
+With --prefill-chunk N it profiles the prefill instead: `batch` prompts of `ctx` tokens
+prefilled in chunks of N tokens per step (max_num_batched_tokens), the GPU time of the whole
+prefill by kernel, and its wall time. Answers "where does NVFP4's longer prefill (TTFT) go":
+attention precision (FP8 KV runs FlashAttention-3 in FP8, our initial prefill in BF16), the
+workspace gather of the cached prefix, the writer. Variants as evals/bench_e2e.py's
+(nvfp4+fp8ws: the FP8 workspace):
+
+    python evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+fp8ws --batch 4 --ctx 32768 \\
+        --prefill-chunk 8192 --out evals/results/profile_prefill_h200.json
 """
 from __future__ import annotations
 
@@ -26,13 +36,65 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in th
 MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
 
 
+def _engine(variant: str, max_model_len: int, **extra):
+    """vLLM in this process for a kv_cache_dtype, or nvfp4 with bench_e2e's options."""
+    from bench_e2e import OPTIONS
+    from vllm import LLM
+    kv_dtype, *opts = variant.split("+")
+    for opt in opts:  # read by the plugin when the engine builds its layers
+        name, value = OPTIONS[opt]
+        os.environ[name] = value
+    return LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+               kv_cache_dtype=kv_dtype, max_model_len=max_model_len,
+               gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, **extra)
+
+
+def _kernels(prof, per: float, top: int, key: str = "us_per_step") -> tuple[float, list[dict]]:
+    """GPU time of the profiled region's kernels, grouped by name, divided by `per`."""
+    import torch
+    acc = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc[e.name[:90]] += e.device_time_total if hasattr(e, "device_time_total") \
+                else e.cuda_time_total
+    acc = collections.Counter({k: v / per for k, v in acc.items()})
+    total = sum(v for v in acc.values() if v > 0)
+    return total, [{"kernel": k, key: round(v, 1), "share": round(v / total, 4)}
+                   for k, v in acc.most_common(top)]
+
+
+def profile_prefill(variant: str, batch: int, ctx: int, chunk: int, top: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from vllm import SamplingParams
+    llm = _engine(variant, ctx + 64, max_num_batched_tokens=chunk)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 31000, (ctx,), generator=g).tolist()}
+               for _ in range(batch + 1)]
+    sp = SamplingParams(max_tokens=1, temperature=0, detokenize=False)
+    llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up: every chunk shape once
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA if gpu
+                                            else ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts[1:], sp, use_tqdm=False)
+        sync()
+    wall_s = time.perf_counter() - t0
+    total, rows = _kernels(prof, 1.0, top, key="us")
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"kv_dtype": variant, "gpu_us_prefill": round(total, 1),
+            "wall_s_prefill": round(wall_s, 3), "top": rows}
+
+
 def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              kv_cache_dtype=kv_dtype, max_model_len=ctx + steps + 64,
-              gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0)
+    from vllm import SamplingParams
+    llm = _engine(kv_dtype, ctx + steps + 64)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 31000, (ctx,), generator=g).tolist()}
                for _ in range(batch)]
@@ -66,15 +128,7 @@ def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
             torch.cuda.synchronize()
     while engine.has_unfinished_requests():
         engine.step()
-    acc = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            acc[e.name[:90]] += e.device_time_total if hasattr(e, "device_time_total") \
-                else e.cuda_time_total
-    decode = collections.Counter({k: v / steps for k, v in acc.items()})
-    total = sum(v for v in decode.values() if v > 0)
-    rows = [{"kernel": k, "us_per_step": round(v, 1), "share": round(v / total, 4)}
-            for k, v in decode.most_common(top)]
+    total, rows = _kernels(prof, steps, top)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -90,30 +144,43 @@ def main():
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="profile the prefill in chunks of this many tokens instead")
     ap.add_argument("--out", default="evals/results/profile_step.json")
     args = ap.parse_args()
     import torch
     import vllm
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "vllm": vllm.__version__,
            "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
            "args": vars(args), "rows": []}
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from assets import rows_per_dtype, run_info
-    res["run"] = run_info(on_gpu=True)
-    res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: profile(
-        dt, args.batch, args.ctx, args.steps, args.top))
+    res["run"] = run_info(on_gpu=torch.cuda.is_available())
+    if args.prefill_chunk:
+        res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: profile_prefill(
+            dt, args.batch, args.ctx, args.prefill_chunk, args.top))
+    else:
+        res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: profile(
+            dt, args.batch, args.ctx, args.steps, args.top))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     for r in res["rows"]:
         if "error" in r:
             print(f"\n{r['kv_dtype']}: {r['error']}")
             continue
-        print(f"\n{r['kv_dtype']}: {r['gpu_us_per_decode_step']:.0f} us of GPU time per decode "
-              f"step, {r['wall_us_per_decode_step']:.0f} us wall (batch {args.batch}, context "
-              f"{args.ctx}, 8 layers)")
+        if args.prefill_chunk:
+            print(f"\n{r['kv_dtype']}: {r['gpu_us_prefill'] / 1e3:.1f} ms of GPU time, "
+                  f"{r['wall_s_prefill']:.3f} s wall to prefill {args.batch} x {args.ctx} tokens "
+                  f"in chunks of {args.prefill_chunk} (8 layers)")
+        else:
+            print(f"\n{r['kv_dtype']}: {r['gpu_us_per_decode_step']:.0f} us of GPU time per "
+                  f"decode step, {r['wall_us_per_decode_step']:.0f} us wall (batch "
+                  f"{args.batch}, context {args.ctx}, 8 layers)")
         for k in r["top"]:
-            print(f"  {k['us_per_step']:>8.1f} us {100 * k['share']:>5.1f}%  {k['kernel']}")
+            us = k.get("us_per_step", k.get("us"))
+            print(f"  {us:>8.1f} us {100 * k['share']:>5.1f}%  {k['kernel']}")
 
 
 if __name__ == "__main__":
