@@ -133,7 +133,7 @@ case "${1:?stage}" in
   step-fused) NVFP4KV_FUSE_TRANSFORMS=1 timeout 560 python3 evals/profile_step.py --dtypes nvfp4 \
                 --batch 16 --ctx 8192 --out "$OUT/profile_step_${GPU}_fused.json" 2>&1 \
                 | grep -E "^  |us of GPU" ;;
-  # the prefill by kernel (TTFT): FP8 KV runs FA3 in FP8, our initial prefill in BF16
+  # a chunked prefill by kernel (TTFT): where NVFP4's workspace path spends its time
   step-prefill) timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+fp8ws \
                 --batch 4 --ctx 32768 --prefill-chunk 8192 \
                 --out "$OUT/profile_prefill_${GPU}.json" 2>&1 | grep -E "^  |ms of GPU" ;;

@@ -12,10 +12,9 @@ decode throughput a server sees at this batch).
 
 With --prefill-chunk N it profiles the prefill instead: `batch` prompts of `ctx` tokens
 prefilled in chunks of N tokens per step (max_num_batched_tokens), the GPU time of the whole
-prefill by kernel, and its wall time. Answers "where does NVFP4's longer prefill (TTFT) go":
-attention precision (FP8 KV runs FlashAttention-3 in FP8, our initial prefill in BF16), the
-workspace gather of the cached prefix, the writer. Variants as evals/bench_e2e.py's
-(nvfp4+fp8ws: the FP8 workspace):
+prefill by kernel, and its wall time. Answers "where does NVFP4's longer chunked prefill
+(TTFT) go": the workspace gather of each chunk's cached prefix, attention over it, the
+writer. Variants as evals/bench_e2e.py's (nvfp4+fp8ws: the FP8 workspace):
 
     python evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+fp8ws --batch 4 --ctx 32768 \\
         --prefill-chunk 8192 --out evals/results/profile_prefill_h200.json
