@@ -98,6 +98,33 @@ def analyse(sweep: dict, prefill: dict, step: dict, cfg: dict, vocab: int, copy_
             "non_attention_scale": round(scale, 3), "rows": rows, "targets": need}
 
 
+def plot(res: dict, png: Path, title: str) -> None:
+    """Implied attention bandwidth of each measured point, what each target needs, and the
+    GPU's copy bandwidth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows, need = res["rows"], res["targets"]
+    labels = [f"{r['kv_dtype']} C={r['concurrency']}" for r in rows] + [
+        f"{t['target']}\n{t['ratio']}x FP8 (C={t['concurrency']})" for t in need]
+    vals = [r["attention_tbps"] for r in rows] + [t["attention_tbps"] or 0 for t in need]
+    colors = ["tab:blue" if r["kv_dtype"] == "fp8" else "tab:green" for r in rows] + \
+        ["white"] * len(need)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    bars = ax.bar(range(len(vals)), vals, color=colors, edgecolor="black")
+    for b, v in zip(bars, vals):
+        ax.text(b.get_x() + b.get_width() / 2, v + 0.05, f"{v:.2f}", ha="center", fontsize=8)
+    copy = res["copy_bandwidth_GBps"] / 1e3
+    ax.axhline(copy, color="gray", linestyle="--", label=f"copy bandwidth {copy:.2f} TB/s")
+    ax.set_xticks(range(len(vals)), labels, fontsize=8)
+    ax.set_ylabel("decode attention, implied TB/s of KV")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,6 +150,10 @@ def main():
     res["inputs"] = {k: str(getattr(args, k)) for k in ("sweep", "prefill", "step", "decode",
                                                          "config")}
     Path(args.out).write_text(json.dumps(res, indent=1))
+    png = Path(args.out).with_suffix(".png")
+    gpu = sweep.get("run", {}).get("device") or sweep["rows"][0].get("gpu", "")
+    plot(res, png, f"{res['input_len'] // 1024}K in / {res['output_len']} out, {gpu}: attention "
+         "bandwidth implied by the measured throughput (bars), what the targets need (white)")
     print(f"{'kv':>6} {'C':>3} {'tok/s':>7} {'step ms':>8} {'non-attn':>8} {'attn ms':>8} "
           f"{'KV GB':>6} {'TB/s':>5} {'of copy':>7}")
     for r in res["rows"]:
@@ -134,7 +165,7 @@ def main():
         print(f"{t['target']}: {t['ratio']}x FP8 at C={t['vs_fp8_at']} = {t['output_tok_s']} "
               f"tok/s needs a {t['step_ms']} ms step, attention at {t['attention_tbps']} TB/s "
               f"({t['attention_share_of_copy']:.0%} of copy); measured {t['measured_ratio']}x")
-    print(f"-> {args.out}")
+    print(f"-> {args.out}, {png}")
 
 
 if __name__ == "__main__":
