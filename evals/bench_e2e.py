@@ -37,15 +37,23 @@ OPTIONS = {"fp8ws": ("NVFP4KV_WORKSPACE_DTYPE", "fp8"),  # FP8 prefill workspace
            "no4o6": ("NVFP4KV_FOUR_OVER_SIX", "0")}      # plain amax/6 block scales
 
 
-def run(variant: str, inputs: list[int], n: int, out_tokens: int, gpu_util: float,
-        max_batched: int | None = None) -> dict:
-    """variant: a kv_cache_dtype, or nvfp4 with options: "nvfp4+norot+no4o6" (OPTIONS)."""
-    import torch
-    from vllm import LLM, SamplingParams
+def apply_options(variant: str) -> str:
+    """variant: a kv_cache_dtype, or nvfp4 with options: "nvfp4+norot+no4o6" (OPTIONS, set
+    in this process's environment, which the plugin reads when an engine builds its layers).
+    Returns the kv_cache_dtype."""
     kv_dtype, *opts = variant.split("+")
     for opt in opts:
         name, value = OPTIONS[opt]
         os.environ[name] = value
+    return kv_dtype
+
+
+def run(variant: str, inputs: list[int], n: int, out_tokens: int, gpu_util: float,
+        max_batched: int | None = None) -> dict:
+    """variant: as apply_options."""
+    import torch
+    from vllm import LLM, SamplingParams
+    kv_dtype = apply_options(variant)
     t0 = time.time()
     extra = dict(max_num_batched_tokens=max_batched) if max_batched else {}
     llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",

@@ -37,12 +37,9 @@ MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
 
 def _engine(variant: str, max_model_len: int, **extra):
     """vLLM in this process for a kv_cache_dtype, or nvfp4 with bench_e2e's options."""
-    from bench_e2e import OPTIONS
+    from bench_e2e import apply_options
     from vllm import LLM
-    kv_dtype, *opts = variant.split("+")
-    for opt in opts:  # read by the plugin when the engine builds its layers
-        name, value = OPTIONS[opt]
-        os.environ[name] = value
+    kv_dtype = apply_options(variant)
     return LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                kv_cache_dtype=kv_dtype, max_model_len=max_model_len,
                gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, **extra)
