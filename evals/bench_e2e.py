@@ -14,7 +14,7 @@ time of long prompts measures the gather + attention path of each workspace dtyp
 
 What the accuracy options cost (each variant a fresh engine process; "+" joins options):
 
-    python evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+norot nvfp4+no4o6 nvfp4+norot+no4o6
+    python evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+norot nvfp4+4o6 nvfp4+amax6 nvfp4+norot+amax6
 """
 from __future__ import annotations
 
@@ -34,11 +34,12 @@ MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
 # variant suffixes of nvfp4 -> the plugin's environment (read when the engine starts)
 OPTIONS = {"fp8ws": ("NVFP4KV_WORKSPACE_DTYPE", "fp8"),  # FP8 prefill workspace
            "norot": ("NVFP4KV_ROTATE_K", "0"),           # no Hadamard rotation of K
-           "no4o6": ("NVFP4KV_FOUR_OVER_SIX", "0")}      # plain amax/6 block scales
+           "4o6": ("NVFP4KV_BLOCK_SCALES", "4over6"),    # 4-over-6 block scales, not search
+           "amax6": ("NVFP4KV_BLOCK_SCALES", "amax6")}   # plain amax/6 block scales
 
 
 def apply_options(variant: str) -> str:
-    """variant: a kv_cache_dtype, or nvfp4 with options: "nvfp4+norot+no4o6" (OPTIONS, set
+    """variant: a kv_cache_dtype, or nvfp4 with options: "nvfp4+norot+amax6" (OPTIONS, set
     in this process's environment, which the plugin reads when an engine builds its layers).
     Returns the kv_cache_dtype."""
     kv_dtype, *opts = variant.split("+")

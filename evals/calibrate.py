@@ -63,6 +63,7 @@ def study(model: str, texts: list[str], out: str) -> None:
 
     from vllm_nvfp4kv import calibration
     from vllm_nvfp4kv.kernels import reference
+    from vllm_nvfp4kv.kernels.format import DEFAULT_BLOCK_SCALES
     os.environ["NVFP4KV_CALIBRATE"] = "off"
     seen: list = []
     write = reference.write_cache
@@ -84,7 +85,7 @@ def study(model: str, texts: list[str], out: str) -> None:
     reference.write_cache = write
 
     def rel_err(x, g):
-        data, sc = reference.quantize(x, g, four_over_six=True)
+        data, sc = reference.quantize(x, g, DEFAULT_BLOCK_SCALES)
         return float(((reference.dequantize(data, sc, g) - x) ** 2).sum() / (x ** 2).sum())
 
     def pow2(a, h):
@@ -108,9 +109,9 @@ def study(model: str, texts: list[str], out: str) -> None:
                 for r, f in rules.items()}
         changed = total = 0
         for x, b in zip(xs, a1):  # blocks whose values differ between g = 1 and online
-            d1, s1 = reference.quantize(x, 1.0, four_over_six=True)
+            d1, s1 = reference.quantize(x, 1.0, DEFAULT_BLOCK_SCALES)
             g = pow2(b, calibration.ONLINE_HEADROOM)
-            d2, s2 = reference.quantize(x, g, four_over_six=True)
+            d2, s2 = reference.quantize(x, g, DEFAULT_BLOCK_SCALES)
             diff = reference.dequantize(d1, s1, 1.0) != reference.dequantize(d2, s2, g)
             changed += int(diff.unflatten(-1, (-1, 16)).any(-1).sum())
             total += x.numel() // 16

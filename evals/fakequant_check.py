@@ -16,6 +16,14 @@ outlier channels (Qwen2's k_proj bias), which 4-bit blocks of 16 cannot hold:
 
     python evals/fakequant_check.py --model qwen --variants plain rotate smooth smooth+rotate \\
         --out evals/results/fakequant_qwen2.5_coder_1.5b_cpu.json
+
+--block-scales: the writer's block-scale rules to try (kernels/format.py; default amax6, the
+seed's), each with every variant. Every row also gets its next-token KL divergence from the
+exact run (full vocabulary) and top-1 agreement: deterministic, unlike the engine's, whose
+per-layer choices come from each run's first batch. What chose the default rule:
+
+    python evals/fakequant_check.py --variants plain rotate --block-scales amax6 4over6 search \\
+        --out evals/results/fakequant_block_scales_smollm2_cpu.json
 """
 from __future__ import annotations
 
@@ -39,6 +47,8 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["plain"],
                     choices=["plain", "rotate", "smooth", "smooth+rotate", "center",
                              "center+smooth"])
+    ap.add_argument("--block-scales", nargs="+", default=["amax6"],
+                    choices=["amax6", "4over6", "search"])
     ap.add_argument("--out", default="evals/results/fakequant.json")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -57,17 +67,19 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation="eager")
     exact_attention = modeling.eager_attention_forward
-    mode = {"variant": None, "calibrate": False}
+    mode = {"variant": None, "calibrate": False, "rule": "amax6"}
     k_hi: dict[int, torch.Tensor] = {}  # layer -> [Hkv, D] channel max of K (post-RoPE)
     k_lo: dict[int, torch.Tensor] = {}  # and min
 
     def fake_quant(x):  # [B, H, T, D], values as bf16 activations would give them
-        data, scales = reference.quantize(x.to(torch.bfloat16), 1.0)
+        data, scales = reference.quantize(x.to(torch.bfloat16), 1.0, mode["rule"])
         return reference.dequantize(data, scales, 1.0)
 
     smooth: dict[int, torch.Tensor] = {}
 
     def transform(layer, variant):  # (mu, s), each [Hkv, 1, D], as the calibration writes them
+        if "smooth" not in variant and "center" not in variant:
+            return 0.0, 1.0
         if (layer, variant) not in smooth:
             mu, s, _ = k_center_and_smoothing(k_hi[layer], k_lo[layer], "center" in variant,
                                               "smooth" in variant)
@@ -91,29 +103,38 @@ def main():
 
     modeling.eager_attention_forward = attention
 
-    def nll_of(texts):
-        nll = []
-        for text in texts:
-            ids = torch.tensor([tok(text)["input_ids"][:1000]])
-            with torch.no_grad():
-                logits = model(ids).logits[0, :-1].float()
-            nll += torch.nn.functional.cross_entropy(logits, ids[0, 1:],
-                                                     reduction="none").tolist()
-        return nll
+    def logprobs(text):
+        ids = torch.tensor([tok(text)["input_ids"][:1000]])
+        with torch.no_grad():
+            return torch.log_softmax(model(ids).logits[0, :-1].float(), -1), ids[0, 1:]
 
     texts = fidelity.gsm8k_texts(args.texts + args.calib_texts)
     if any("smooth" in v or "center" in v for v in args.variants):  # disjoint from scored
         mode["calibrate"] = True
-        nll_of(texts[args.texts:])
+        for text in texts[args.texts:]:
+            logprobs(text)
         mode["calibrate"] = False
+    rows = [(None, None)] + [(v, r) for v in args.variants for r in args.block_scales]
+    sums = [{"nll": 0.0, "kl": 0.0, "top1": 0, "tokens": 0} for _ in rows]
+    for text in texts[:args.texts]:  # per text: the exact run is every row's reference
+        ref = None
+        for (variant, rule), acc in zip(rows, sums):
+            mode["variant"], mode["rule"] = variant, rule or "amax6"
+            lp, target = logprobs(text)
+            ref = lp if ref is None else ref
+            acc["nll"] -= float(lp.gather(1, target[:, None]).sum())
+            acc["kl"] += float((ref.exp() * (ref - lp)).sum())
+            acc["top1"] += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+            acc["tokens"] += len(target)
     res = {"model": Path(path).name, "texts": args.texts, "calib_texts": args.calib_texts,
-           "device": "cpu", "torch": torch.__version__, "rows": []}
-    for variant in [None] + args.variants:
-        mode["variant"] = variant
-        nll = nll_of(texts[:args.texts])
+           "device": "cpu", "torch": torch.__version__,
+           "run": assets.run_info(False), "rows": []}
+    for (variant, rule), acc in zip(rows, sums):
         name = {None: "exact", "plain": "nvfp4 fake-quant (all K/V)"}.get(
             variant, f"nvfp4 fake-quant, K {variant}")
-        row = {"kv": name, "tokens": len(nll), "ppl": math.exp(sum(nll) / len(nll))}
+        n = acc["tokens"]
+        row = {"kv": name if rule is None else f"{name}, {rule} block scales", "tokens": n,
+               "ppl": math.exp(acc["nll"] / n), "kl": acc["kl"] / n, "top1": acc["top1"] / n}
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,11 @@ scored ones) / FP8. --v-mult / --k-mult score a reparametrized copy of the model
 magnitudes m times larger), the case calibration is for.
 --variants workspace (GPU: the FP8 workspace runs FA3 in FP8): BF16 / NVFP4 with the BF16
 prefill workspace (default) / NVFP4 with the FP8 workspace (NVFP4KV_WORKSPACE_DTYPE=fp8) / FP8.
---sweep (= --variants options): BF16, then NVFP4 with each combination of 4-over-6 and
-rotating K (and V), each row its own engine, the results file rewritten after every row.
+--sweep (= --variants options): BF16, then NVFP4 with each combination of the block-scale
+rule (NVFP4KV_BLOCK_SCALES) and rotating K (and V), each row its own engine, the results file
+rewritten after every row.
+--variants block-scales: BF16, then NVFP4 with each block-scale rule (amax6, 4over6, search),
+every other option at its default.
 --variants k-outliers: BF16, NVFP4 with rotate K / without, with offline global scales, and
 with per-channel K smoothing and/or centering from offline scales files (evals/calibrate.py
 --smooth-k / --center-k), with and without 4-over-6.
@@ -309,7 +312,8 @@ def variants(args, model, on_gpu):
                                  ["--center-k", "--smooth-k"])}
     rows, base = [], None
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE", "NVFP4KV_WORKSPACE_DTYPE")}
+             if k not in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE", "NVFP4KV_WORKSPACE_DTYPE",
+                          "NVFP4KV_FOUR_OVER_SIX")}  # its newer name is set by the rows
     import torch
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
@@ -361,51 +365,61 @@ def variants(args, model, on_gpu):
             print(f"{k}: {res[k]:.4f}")
 
 
-def _opts(four_over_six: str, rotate_k: str, rotate_v: str, center_k: str = "0") -> dict:
-    return {"NVFP4KV_FOUR_OVER_SIX": four_over_six, "NVFP4KV_ROTATE_K": rotate_k,
+def _opts(block_scales: str, rotate_k: str, rotate_v: str, center_k: str = "0") -> dict:
+    return {"NVFP4KV_BLOCK_SCALES": block_scales, "NVFP4KV_ROTATE_K": rotate_k,
             "NVFP4KV_ROTATE_V": rotate_v, "NVFP4KV_CENTER_K": center_k}
 
 
 OPTIONS = {  # name -> environment of the run (every option explicit: defaults may change)
-    "nvfp4": _opts("0", "0", "0"),
-    "nvfp4 + 4over6": _opts("1", "0", "0"),
-    "nvfp4 + rotate K": _opts("0", "1", "0"),
-    "nvfp4 + rotate K + 4over6 (default)": _opts("1", "1", "0"),
-    "nvfp4 + rotate K,V": _opts("0", "1", "1"),
-    "nvfp4 + rotate K,V + 4over6": _opts("1", "1", "1"),
+    "nvfp4": _opts("amax6", "0", "0"),
+    "nvfp4 + 4over6": _opts("4over6", "0", "0"),
+    "nvfp4 + search": _opts("search", "0", "0"),
+    "nvfp4 + rotate K": _opts("amax6", "1", "0"),
+    "nvfp4 + rotate K + 4over6": _opts("4over6", "1", "0"),
+    "nvfp4 + rotate K + search": _opts("search", "1", "0"),
+    "nvfp4 + rotate K auto + 4over6": _opts("4over6", "auto", "0"),
+    "nvfp4 + rotate K auto + search (the defaults)": _opts("search", "auto", "0"),
+    "nvfp4 + rotate K,V": _opts("amax6", "1", "1"),
+    "nvfp4 + rotate K,V + 4over6": _opts("4over6", "1", "1"),
 }
 VARIANTS["options"] = [("bf16 (auto)", "auto", {})] + [(name, "nvfp4", env)
                                                        for name, env in OPTIONS.items()]
+# the block-scale rules with every other option at its default (K's rotation chosen per
+# layer, K centering where K has outlier channels)
+VARIANTS["block-scales"] = [("bf16 (auto)", "auto", {})] + [
+    (f"nvfp4, defaults, {rule} block scales", "nvfp4", {"NVFP4KV_BLOCK_SCALES": rule})
+    for rule in ("amax6", "4over6", "search")]
 # K smoothing: a scales file from evals/calibrate.py --smooth-k (GSM8K rows disjoint from the
 # scored ones); {scales} / {smooth} are the two calibration files
-def _file_row(label: str, file: str, four_over_six: str, rotate_k: str = "0",
+def _file_row(label: str, file: str, block_scales: str, rotate_k: str = "0",
               from_cache: bool = False) -> tuple:
     """A row with an offline scales file (K centering / smoothing), named by its options."""
-    env = {**_opts(four_over_six, rotate_k, "0"), "NVFP4KV_SCALES_FILE": file}
+    env = {**_opts(block_scales, rotate_k, "0"), "NVFP4KV_SCALES_FILE": file}
     if from_cache:  # every key read back from the cache, the chunk's own too (as in decode)
         env["NVFP4KV_PREFILL_FROM_CACHE"] = "1"
     name = (f"nvfp4 + {label} (offline)" + " + rotate K" * (rotate_k == "1")
-            + " + 4over6" * (four_over_six == "1") + ", prefill from cache" * from_cache)
+            + f" + {block_scales}" * (block_scales != "amax6")
+            + ", prefill from cache" * from_cache)
     return name, "nvfp4", env
 
 
 VARIANTS["k-outliers"] = [
     ("bf16 (auto)", "auto", {}),
-    ("nvfp4 + rotate K + 4over6", "nvfp4", _opts("1", "1", "0")),
-    ("nvfp4 + 4over6", "nvfp4", _opts("1", "0", "0")),
+    ("nvfp4 + rotate K + 4over6", "nvfp4", _opts("4over6", "1", "0")),
+    ("nvfp4 + 4over6", "nvfp4", _opts("4over6", "0", "0")),
     ("nvfp4 + 4over6 + offline scales", "nvfp4",
-     {**_opts("1", "0", "0"), "NVFP4KV_SCALES_FILE": "{scales}"}),
-    _file_row("smooth K", "{smooth}", "1"),
-    _file_row("smooth K", "{smooth}", "0"),
-    _file_row("smooth K", "{smooth}", "0", from_cache=True),
-    _file_row("smooth K", "{smooth}", "1", from_cache=True),
-    _file_row("center K", "{center}", "1"),
-    _file_row("center K", "{center}", "0"),
-    _file_row("center K", "{center}", "1", rotate_k="1"),
-    ("nvfp4 + online center K + rotate K + 4over6 (defaults)", "nvfp4",
-     _opts("1", "1", "0", center_k="auto")),
-    _file_row("center + smooth K", "{center+smooth}", "1"),
-    _file_row("center + smooth K", "{center+smooth}", "0"),
+     {**_opts("4over6", "0", "0"), "NVFP4KV_SCALES_FILE": "{scales}"}),
+    _file_row("smooth K", "{smooth}", "4over6"),
+    _file_row("smooth K", "{smooth}", "amax6"),
+    _file_row("smooth K", "{smooth}", "amax6", from_cache=True),
+    _file_row("smooth K", "{smooth}", "4over6", from_cache=True),
+    _file_row("center K", "{center}", "4over6"),
+    _file_row("center K", "{center}", "amax6"),
+    _file_row("center K", "{center}", "4over6", rotate_k="1"),
+    ("nvfp4 + online center K + rotate K + 4over6", "nvfp4",
+     _opts("4over6", "1", "0", center_k="auto")),
+    _file_row("center + smooth K", "{center+smooth}", "4over6"),
+    _file_row("center + smooth K", "{center+smooth}", "amax6"),
 ]
 
 

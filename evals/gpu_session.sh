@@ -101,7 +101,7 @@ case "${1:?stage}" in
   ws)       timeout 560 python3 evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws \
                 --inputs 32768 --max-num-batched-tokens 2048 --output-tokens 2 --requests 8 \
                 --out "$OUT/workspace_${GPU}.json" 2>&1 | grep -E "prefill_s|rror|failed" ;;
-  options)  timeout 570 python3 evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+norot nvfp4+no4o6 \
+  options)  timeout 570 python3 evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+norot nvfp4+4o6 nvfp4+amax6 \
                 --inputs 32768 --requests 16 --output-tokens 129 \
                 --out "$OUT/options_cost_${GPU}.json" 2>&1 | grep -E "tok/s|rror|failed" ;;
   ws-fidelity) timeout 560 python3 evals/fidelity.py --variants workspace --texts 48 --chunk 64 \
@@ -127,7 +127,7 @@ case "${1:?stage}" in
                 --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \
                 --concurrency 2 --prompts-per-concurrency 1 --budget-s 480 \
                 --out "$OUT/serve_sweep_${GPU}_128k_${1#sweep-128k-}.json" 2>&1 | tail -12 ;;
-  step)     timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \
+  step)     timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+4o6 --batch 16 --ctx 8192 \
                 --out "$OUT/profile_step_${GPU}.json" 2>&1 | grep -E "^  |us of GPU" ;;
   # K centering + rotation inside the writer (NVFP4KV_FUSE_TRANSFORMS=1) against stage step
   step-fused) NVFP4KV_FUSE_TRANSFORMS=1 timeout 560 python3 evals/profile_step.py --dtypes nvfp4 \

@@ -2,7 +2,8 @@
 the scores q.k? No engine: the model runs in transformers (fp32, eager attention) on a few
 GSM8K texts, its post-RoPE queries and keys are captured per layer (K rounded to BF16, as the
 cache receives it) and sent through the reference quantizer with and without the rotation
-(cache_space.rotation_errors, what the backend decides by), 4-over-6 on, global scale
+(cache_space.rotation_errors, what the backend decides by), the default block scales (4-over-6
+until 2026-12-05, when the recorded results were made; now search), global scale
 amax / (6 * 448). Qwen2.5's keys are centred (per-channel
 mid-range) first, as the backend does online. Score error: every query against every key of
 its head group, squared, summed per layer. What NVFP4KV_ROTATE_K=auto (the per-layer choice,
@@ -26,6 +27,7 @@ import assets  # noqa: E402
 import fidelity  # noqa: E402
 
 from vllm_nvfp4kv.cache_space import rotation_errors  # noqa: E402
+from vllm_nvfp4kv.kernels.format import DEFAULT_BLOCK_SCALES  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -57,8 +59,8 @@ def main():
             k = k[0].transpose(0, 1).bfloat16().float()                  # [T, Hkv, D]
             if args.model == "qwen":
                 k = k - (k.amax(0) + k.amin(0)) / 2
-            err = rotation_errors(q[0].transpose(0, 1), k, k.abs().amax() / (6 * 448), True,
-                                  max_tokens=args.max_tokens)
+            err = rotation_errors(q[0].transpose(0, 1), k, k.abs().amax() / (6 * 448),
+                                  DEFAULT_BLOCK_SCALES, max_tokens=args.max_tokens)
             for key, v in err.items():
                 layers.setdefault(i, {}).setdefault(key, 0.0)
                 layers[i][key] += v

@@ -8,6 +8,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from .decode import mma_k_applies
+from .format import BLOCK_SCALE_RULES, DEFAULT_BLOCK_SCALES
 
 P = "*u8"
 # what the launchers' arguments are, beyond pointers, known to be multiples of 16
@@ -48,8 +49,9 @@ def specs() -> dict:
                      stride_vh="i32", page_stride="i64", rot_c="fp32")
 
     def write_constexprs(k_sub=False, rotate_k=False, rot_flag=False):
-        return dict(H=8, N=16, D=128, G_PAD=8, FOUR_OVER_SIX=True, HAS_K_SUB=k_sub,
-                    ROTATE_K=rotate_k, ROT_FLAG=rot_flag, LOG2_D=7)
+        return dict(H=8, N=16, D=128, G_PAD=8, HAS_K_SUB=k_sub, ROTATE_K=rotate_k,
+                    ROT_FLAG=rot_flag, LOG2_D=7,
+                    RULE=BLOCK_SCALE_RULES.index(DEFAULT_BLOCK_SCALES))
     return {
         "write": (cache_write._write_kernel, write_sig, write_constexprs(), 1),
         "write-k-transform": (cache_write._write_kernel, write_sig,

@@ -9,30 +9,39 @@ import triton.language as tl
 from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e2m1_pack_v_token,
                     e2m1_pack_words, e4m3_decode, e4m3_encode, round_to, v_slot,
                     v_token_bytes)
-from .format import GROUP_SIZE, PageLayout
+from . import format as fmt
+from .format import BLOCK_SCALE_RULES, GROUP_SIZE, PageLayout
 from .rotation import fwht, hadamard_entry
+
+E4M3_MAX_CODE = tl.constexpr(fmt.E4M3_MAX_CODE)
 
 
 @triton.jit
-def _encode_blocks(xe, xo, amax, g, TARGET: tl.constexpr, V: tl.constexpr, p):
-    """Blocks (even [G, 8], odd [G, 8] values) with amax mapped to TARGET -> (data, scale
-    codes, squared error per block). Data: K words [G, 2], or where V the token's bits of its
-    4 V words per block [G, 4] (p: its V slot parity)."""
-    s = e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, TARGET), g))
+def _encode_with(xe, xo, s, g):
+    """Blocks (even [G, 8], odd [G, 8] values) with scale codes s [G] -> (even codes, odd
+    codes, squared error per block [G]) (reference._encode_with)."""
     scale = e4m3_decode(s) * g
     r = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
     ce = e2m1_encode(xe * r[:, None])
     co = e2m1_encode(xo * r[:, None])
     de = e2m1_decode_fp16(ce).to(tl.float32) * E2M1_FP16_FACTOR * scale[:, None] - _finite(xe)
     do = e2m1_decode_fp16(co).to(tl.float32) * E2M1_FP16_FACTOR * scale[:, None] - _finite(xo)
-    err = tl.sum(de * de, axis=1) + tl.sum(do * do, axis=1)
-    G: tl.constexpr = xe.shape[0]
-    codes = tl.reshape(tl.join(tl.reshape(ce, (G, 2, 4)), tl.reshape(co, (G, 2, 4))), (G, 2, 8))
-    if V:
-        data = e2m1_pack_v_token(tl.reshape(codes, (G, 4, 4)), p)
-    else:
-        data = e2m1_pack_words(codes)
-    return data, s, err
+    return ce, co, tl.sum(de * de, axis=1) + tl.sum(do * do, axis=1)
+
+
+@triton.jit
+def _try_scale(xe, xo, g, s, ce, co, err, s2):
+    """The best candidate so far (scale codes s, codes ce/co, errors err) against scale codes
+    s2: s2's where its squared error is strictly smaller."""
+    ce2, co2, err2 = _encode_with(xe, xo, s2, g)
+    u = err2 < err
+    return (tl.where(u, s2, s), tl.where(u[:, None], ce2, ce), tl.where(u[:, None], co2, co),
+            tl.where(u, err2, err))
+
+
+@triton.jit
+def _e4m3_of(amax, g, TARGET: tl.constexpr):
+    return e4m3_encode(tl.math.div_rn(tl.math.div_rn(amax, TARGET), g)).to(tl.int32)
 
 
 @triton.jit
@@ -69,33 +78,45 @@ def _key_as_cached(k_ptr, k_sub_ptr, h, rot_c, rot_on_ptr, D: tl.constexpr,
 
 
 @triton.jit
-def _quantize_row(x_ptr, g, col, cmask, FOUR_OVER_SIX: tl.constexpr, V: tl.constexpr = False,
-                  p=0):
+def _quantize_row(x_ptr, g, col, cmask, RULE: tl.constexpr, V: tl.constexpr = False, p=0):
     """One (side, head, token) row. col [G, 8]: offsets of the even elements of each group."""
     xe = tl.load(x_ptr + col, mask=cmask, other=0.0).to(tl.float32)
     xo = tl.load(x_ptr + col + 1, mask=cmask, other=0.0).to(tl.float32)
-    return _quantize_vals(xe, xo, g, FOUR_OVER_SIX, V, p)
+    return _quantize_vals(xe, xo, g, RULE, V, p)
 
 
 @triton.jit
-def _quantize_vals(xe, xo, g, FOUR_OVER_SIX: tl.constexpr, V: tl.constexpr = False, p=0):
-    """Even and odd elements [G, 8] of one row -> (data (_encode_blocks), scale codes [G])."""
+def _quantize_vals(xe, xo, g, RULE: tl.constexpr, V: tl.constexpr = False, p=0):
+    """Even and odd elements [G, 8] of one row -> (data, scale codes [G]). RULE: the index of
+    the block-scale rule in format.BLOCK_SCALE_RULES (reference.scale_candidates, same order).
+    Data: K words [G, 2], or where V the token's bits of its 4 V words per block [G, 4]
+    (p: its V slot parity)."""
     amax = tl.maximum(tl.max(tl.where(xe == xe, tl.abs(xe), 0.0), axis=1),
                       tl.max(tl.where(xo == xo, tl.abs(xo), 0.0), axis=1))
-    word, s, err = _encode_blocks(xe, xo, amax, g, 6.0, V, p)
-    if FOUR_OVER_SIX:  # keep amax -> 4 where its squared error is strictly smaller
-        word4, s4, err4 = _encode_blocks(xe, xo, amax, g, 4.0, V, p)
-        use4 = err4 < err
-        word = tl.where(use4[:, None], word4, word)
-        s = tl.where(use4, s4, s)
-    return word, s
+    s = _e4m3_of(amax, g, 6.0)
+    ce, co, err = _encode_with(xe, xo, s, g)
+    if RULE == 1:  # 4over6
+        s, ce, co, err = _try_scale(xe, xo, g, s, ce, co, err, _e4m3_of(amax, g, 4.0))
+    if RULE == 2:  # search: c4, then the codes one below c6 and c4 (reference.scale_candidates)
+        c6, c4 = s, _e4m3_of(amax, g, 4.0)
+        s, ce, co, err = _try_scale(xe, xo, g, s, ce, co, err, c4)
+        s, ce, co, err = _try_scale(xe, xo, g, s, ce, co, err,
+                                    tl.where((c6 >= 1) & (c6 < E4M3_MAX_CODE), c6 - 1, c6))
+        s, ce, co, err = _try_scale(xe, xo, g, s, ce, co, err, tl.where(c4 - 1 > c6, c4 - 1, c6))
+    G: tl.constexpr = xe.shape[0]
+    codes = tl.reshape(tl.join(tl.reshape(ce, (G, 2, 4)), tl.reshape(co, (G, 2, 4))), (G, 2, 8))
+    if V:
+        data = e2m1_pack_v_token(tl.reshape(codes, (G, 4, 4)), p)
+    else:
+        data = e2m1_pack_words(codes)
+    return data, s.to(tl.uint8)
 
 
 @triton.jit
 def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                   k_sub_ptr, rot_on_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                   page_stride, rot_c, H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
-                  G_PAD: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, HAS_K_SUB: tl.constexpr,
+                  G_PAD: tl.constexpr, RULE: tl.constexpr, HAS_K_SUB: tl.constexpr,
                   ROTATE_K: tl.constexpr, ROT_FLAG: tl.constexpr, LOG2_D: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -114,10 +135,10 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     if HAS_K_SUB or ROTATE_K:
         xe, xo = _key_as_cached(key_ptr + t * stride_kt + h * stride_kh, k_sub_ptr, h, rot_c,
                                 rot_on_ptr, D, G_PAD, HAS_K_SUB, ROTATE_K, ROT_FLAG, LOG2_D)
-        word, s = _quantize_vals(xe, xo, tl.load(k_scale_ptr), FOUR_OVER_SIX)
+        word, s = _quantize_vals(xe, xo, tl.load(k_scale_ptr), RULE)
     else:
         word, s = _quantize_row(key_ptr + t * stride_kt + h * stride_kh, tl.load(k_scale_ptr),
-                                col, cmask, FOUR_OVER_SIX)
+                                col, cmask, RULE)
     row = h * N + tok
     wptr = (page + row * (D // 2)).to(tl.pointer_type(tl.int32))  # rows are 4-aligned
     tl.store(wptr + gi[:, None] * 2 + tl.arange(0, 2)[None, :], word, mask=cmask)
@@ -126,7 +147,7 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     vs = v_slot(tok)
     p = (vs % 2).to(tl.uint32)
     bits, s = _quantize_row(value_ptr + t * stride_vt + h * stride_vh, tl.load(v_scale_ptr),
-                            col, cmask, FOUR_OVER_SIX, True, p)           # [G, 4] uint32
+                            col, cmask, RULE, True, p)                    # [G, 4] uint32
     base = page + SIDE_BYTES
     q = 4 * gi[:, None] + tl.arange(0, 4)[None, :]
     wbyte = base + h * (N * (D // 2)) + (q * (N // 2) + vs // 2) * 4
@@ -141,15 +162,15 @@ def _as_scale(x, device) -> torch.Tensor:
 
 
 def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor, k_scale, v_scale, four_over_six: bool = False,
+                slot_mapping: torch.Tensor, k_scale, v_scale, block_scales: str = "amax6",
                 k_sub: torch.Tensor | None = None,
                 rotate_k: bool | torch.Tensor = False) -> None:
     """Quantize the first T rows of key/value [>=T, H, D] (bf16/fp16/fp32) into kv_cache
     [num_blocks, 2H, N, D/2 + D/16] uint8 at slot_mapping [T] (int; slots < 0 skipped).
     k_scale / v_scale: the layer's FP32 global scales (floats or 1-element tensors).
-    four_over_six: per block, the scale mapping amax to 4 or to 6, whichever has the smaller
-    squared error (reference.quantize; a near-tie may resolve differently, the sums' order
-    differs). k_sub [H, D] (key's dtype) and rotate_k (power-of-two D): K is cached as
+    block_scales: how each block's scale is chosen, format.BLOCK_SCALE_RULES (reference.
+    quantize_codes; where two candidates' squared errors nearly tie the pick may differ, the
+    sums' order differs). k_sub [H, D] (key's dtype) and rotate_k (power-of-two D): K is cached as
     rotation.rotate(key - k_sub) (vllm_nvfp4kv.cache_space), computed here instead of by two
     torch ops, with the same roundings (up to fp32 summation order). rotate_k may be a
     1-element int32 device tensor: rotate where it is nonzero, read at run time (CUDA graphs
@@ -177,5 +198,5 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         key if k_sub is None else k_sub, slot_mapping if flag is None else flag,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
         rot_c, H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // GROUP_SIZE),
-        FOUR_OVER_SIX=four_over_six, HAS_K_SUB=k_sub is not None, ROTATE_K=rotate_k,
+        RULE=BLOCK_SCALE_RULES.index(block_scales), HAS_K_SUB=k_sub is not None, ROTATE_K=rotate_k,
         ROT_FLAG=flag is not None, LOG2_D=d.bit_length() - 1, num_warps=1)

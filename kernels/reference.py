@@ -9,9 +9,9 @@ import math
 
 import torch
 
-from .format import (E2M1_MAX, E2M1_THRESHOLDS, E2M1_VALUES, E4M3_MAX, GROUP_SIZE,
-                     VWORD_MAG_BITS, VWORD_SIGN_BITS, WORD_MAG_BITS, WORD_SIGN_BITS, PageLayout,
-                     v_slot, v_token_bytes)
+from .format import (BLOCK_SCALE_RULES, E2M1_MAX, E2M1_THRESHOLDS, E2M1_VALUES, E4M3_MAX,
+                     E4M3_MAX_CODE, GROUP_SIZE, VWORD_MAG_BITS, VWORD_SIGN_BITS,
+                     WORD_MAG_BITS, WORD_SIGN_BITS, PageLayout, v_slot, v_token_bytes)
 
 
 # ---------------------------------------------------------------- scalar formats
@@ -40,40 +40,64 @@ def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- quantize / dequantize
-def _encode_blocks(xb: torch.Tensor, amax: torch.Tensor, g: torch.Tensor, target: float):
-    """Blocks [..., 16] scaled so that amax maps to `target` -> (scale bytes, codes, scale)."""
+def _e4m3_of(amax: torch.Tensor, g: torch.Tensor, target: float) -> torch.Tensor:
+    """The scale byte that maps amax to `target`: e4m3(amax / target / g)."""
     # divide by a tensor: CUDA torch turns `x / 6.0` into `x * (1 / 6.0)`, which is not the
     # IEEE quotient the format (and the Triton writer's div_rn) is defined by
-    t = torch.tensor(target, dtype=torch.float32, device=xb.device)
-    s = e4m3_encode(amax / t / g)
+    t = torch.tensor(target, dtype=torch.float32, device=amax.device)
+    return e4m3_encode(amax / t / g)
+
+
+def scale_candidates(amax: torch.Tensor, g: torch.Tensor, block_scales: str) -> list:
+    """The scale bytes a rule of format.BLOCK_SCALE_RULES tries, in order, for blocks with
+    maximum amax (same shape). Where a rule has fewer candidates for a block, the rest repeat
+    the first (never strictly better)."""
+    assert block_scales in BLOCK_SCALE_RULES, block_scales
+    s6 = _e4m3_of(amax, g, 6.0)
+    if block_scales == "amax6":
+        return [s6]
+    s4 = _e4m3_of(amax, g, 4.0)
+    if block_scales == "4over6":
+        return [s6, s4]
+    c6, c4 = s6.to(torch.int32), s4.to(torch.int32)
+    below6 = torch.where((c6 >= 1) & (c6 < E4M3_MAX_CODE), c6 - 1, c6)
+    below4 = torch.where(c4 - 1 > c6, c4 - 1, c6)
+    return [s6, s4, below6.to(torch.uint8), below4.to(torch.uint8)]
+
+
+def _encode_with(xb: torch.Tensor, s: torch.Tensor, g: torch.Tensor):
+    """Blocks [..., 16] with scale bytes s [..., 1] -> (codes, squared error [..., 1])."""
     scale = e4m3_decode(s) * g
     r = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    return s, e2m1_encode(xb * r), scale
+    code = e2m1_encode(xb * r)
+    xf = torch.nan_to_num(xb, nan=0.0, posinf=0.0, neginf=0.0)
+    return code, ((e2m1_decode(code) * scale - xf) ** 2).sum(-1, keepdim=True)
 
 
 def quantize_codes(x: torch.Tensor, global_scale: float | torch.Tensor,
-                   four_over_six: bool = False):
+                   block_scales: str = "amax6"):
     """x [..., D] -> (4-bit codes [..., D] uint8, scales [..., D/16] uint8).
 
-    four_over_six: per block, also try the scale that maps amax to 4 instead of 6 (a finer
-    grid near amax) and keep it where its squared error is strictly smaller. Same format."""
+    block_scales: how each block's scale byte is chosen (format.py): amax6, 4over6 (amax -> 6
+    or amax -> 4, whichever has the smaller squared error) or search (those two and the E4M3
+    code just below each). Same format."""
     g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
     xb = x.float().unflatten(-1, (-1, GROUP_SIZE))                        # [..., D/16, 16]
     amax = torch.nan_to_num(xb.abs(), nan=0.0).amax(-1, keepdim=True)
-    s, code, scale = _encode_blocks(xb, amax, g, 6.0)
-    if four_over_six:
-        s4, code4, scale4 = _encode_blocks(xb, amax, g, 4.0)
-        xf = torch.nan_to_num(xb, nan=0.0, posinf=0.0, neginf=0.0)
-        err6 = ((e2m1_decode(code) * scale - xf) ** 2).sum(-1, keepdim=True)
-        err4 = ((e2m1_decode(code4) * scale4 - xf) ** 2).sum(-1, keepdim=True)
-        use4 = err4 < err6
-        s, code = torch.where(use4, s4, s), torch.where(use4, code4, code)
+    cands = scale_candidates(amax, g, block_scales)
+    s = cands[0]
+    code, err = _encode_with(xb, s, g)
+    for sc in cands[1:]:
+        code_c, err_c = _encode_with(xb, sc, g)
+        better = err_c < err
+        s, code, err = (torch.where(better, sc, s), torch.where(better, code_c, code),
+                        torch.where(better, err_c, err))
     return code.flatten(-2), s.squeeze(-1)
 
 
-def quantize(x: torch.Tensor, global_scale: float | torch.Tensor, four_over_six: bool = False):
+def quantize(x: torch.Tensor, global_scale: float | torch.Tensor, block_scales: str = "amax6"):
     """x [..., D] -> (K data [..., D/2] uint8 (K word layout), scales [..., D/16] uint8)."""
-    code, s = quantize_codes(x, global_scale, four_over_six)
+    code, s = quantize_codes(x, global_scale, block_scales)
     return pack_codes(code), s
 
 
@@ -180,16 +204,17 @@ def page_views(kv_cache: torch.Tensor, head_dim: int):
 
 def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 slot_mapping: torch.Tensor, k_scale: float | torch.Tensor,
-                v_scale: float | torch.Tensor, four_over_six: bool = False) -> None:
-    """Quantize key/value [T, H, D] into the pages at slot_mapping [T]; slots < 0 are skipped."""
+                v_scale: float | torch.Tensor, block_scales: str = "amax6") -> None:
+    """Quantize key/value [T, H, D] into the pages at slot_mapping [T]; slots < 0 are skipped.
+    block_scales: format.BLOCK_SCALE_RULES."""
     n = kv_cache.shape[2]
     keep = slot_mapping >= 0
     blk, off = slot_mapping[keep] // n, slot_mapping[keep] % n
     kd, ks, vd, vs = page_views(kv_cache, key.shape[-1])
-    data, scales = quantize(key[keep], k_scale, four_over_six)                          # [T', H, *]
+    data, scales = quantize(key[keep], k_scale, block_scales)                           # [T', H, *]
     kd[blk, :, off] = data
     ks[blk, :, off] = scales
-    code, scales = quantize_codes(value[keep], v_scale, four_over_six)
+    code, scales = quantize_codes(value[keep], v_scale, block_scales)
     slot = v_slot(off)
     own = pack_v_token(code, slot[:, None] % 2)                            # [T', H, Q, 2]
     for i, b in enumerate(v_token_bytes(slot % 2)):

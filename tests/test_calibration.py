@@ -14,6 +14,7 @@ import torch
 
 from vllm_nvfp4kv import calibration as cal
 from vllm_nvfp4kv.kernels import kv_cache_shape, reference
+from vllm_nvfp4kv.kernels.format import DEFAULT_BLOCK_SCALES
 from vllm_nvfp4kv.kernels.global_scale import calibrate_global_scales
 from vllm_nvfp4kv.kernels.rotation import rotate
 
@@ -65,9 +66,9 @@ def test_power_of_two_scale_only_moves_the_range():
     g = torch.Generator().manual_seed(0)
     x = (torch.rand(64, D, generator=g) * 2 - 1) * torch.logspace(0, 1.5, 64)[:, None]
     # block amax in ~[0.8, 32]: scales amax/6/g and amax/4/g normal E4M3 for g in [1/4, 4]
-    d1, s1 = reference.quantize(x, 1.0, four_over_six=True)
+    d1, s1 = reference.quantize(x, 1.0, DEFAULT_BLOCK_SCALES)
     for g in (2.0 ** -2, 2.0 ** 2):
-        dg, sg = reference.quantize(x, g, four_over_six=True)
+        dg, sg = reference.quantize(x, g, DEFAULT_BLOCK_SCALES)
         assert torch.equal(d1, dg)
         assert torch.equal(reference.dequantize(d1, s1, 1.0), reference.dequantize(dg, sg, g))
 
@@ -132,7 +133,7 @@ def test_backend_writes_with_the_calibrated_scales(monkeypatch):
     gv = _pow2_rule(v[:5].float().abs().max().item(), 64.0)
     assert (layer._k_scale.item(), layer._v_scale.item()) == (gk, gv)
     want = torch.zeros_like(cache)
-    reference.write_cache(want, kr, v, slots, gk, gv, True)
+    reference.write_cache(want, kr, v, slots, gk, gv, DEFAULT_BLOCK_SCALES)
     assert torch.equal(cache, want)
 
 
@@ -387,7 +388,7 @@ def test_k_centering_and_smoothing_file_round_trip_and_backend(monkeypatch, tmp_
     assert torch.equal(impl.space.q_mul.float(), want.repeat_interleave(2, 0))
     expect = torch.zeros_like(cache)
     cached = (k - mu.bfloat16()) * (1 / want).bfloat16()
-    reference.write_cache(expect, cached, v, slots, *raw["a"], True)
+    reference.write_cache(expect, cached, v, slots, *raw["a"], DEFAULT_BLOCK_SCALES)
     assert torch.equal(cache, expect)
     monkeypatch.setenv("NVFP4KV_ROTATE_K", "1")
     with pytest.raises(ValueError, match="exclude"):
@@ -406,7 +407,8 @@ def test_k_centering_and_smoothing_file_round_trip_and_backend(monkeypatch, tmp_
     impl.do_kv_cache_update(_layer("a"), k, v, cache.zero_(), slots)
     assert impl.space.rotate_k and impl.space.k_mul is None
     expect.zero_()
-    reference.write_cache(expect, rotate(k - mu.bfloat16()), v, slots, *raw_c["a"], True)
+    reference.write_cache(expect, rotate(k - mu.bfloat16()), v, slots, *raw_c["a"],
+                          DEFAULT_BLOCK_SCALES)
     assert torch.equal(cache, expect)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"a": [1.0, 1.0], "_k_smooth": {"a": [[0.5] * D] * H}}))

@@ -222,6 +222,21 @@ def test_quantize_error_bound(x, g):
             assert float(amax[k]) <= 6 * scale * (1 + 2.0 ** -4) * (1 + 2 ** -20)
 
 
+def test_block_scale_rules_lower_the_error():
+    """The rules that try more scales keep the block's smallest squared error, so per block
+    search <= 4over6 <= amax6 (each tries the previous one's candidates), and on Gaussian
+    blocks the relative squared errors are format.py's 0.0091 / 0.0076 / 0.0068."""
+    x = torch.randn(20000, 128, generator=torch.Generator().manual_seed(0))
+    err = {}
+    for rule in F.BLOCK_SCALE_RULES:
+        code, s = R.quantize_codes(x, 1.0, rule)
+        deq = R.dequantize_codes(code, s, 1.0)
+        err[rule] = ((deq - x) ** 2).unflatten(-1, (-1, F.GROUP_SIZE)).sum(-1)
+    assert (err["4over6"] <= err["amax6"]).all() and (err["search"] <= err["4over6"]).all()
+    rel = {r: float(e.sum() / (x ** 2).sum()) for r, e in err.items()}
+    assert [round(rel[r], 4) for r in F.BLOCK_SCALE_RULES] == [0.0091, 0.0076, 0.0068], rel
+
+
 @SETTINGS
 @given(n=st.integers(1, 4), g=g_scales, neg=st.lists(st.booleans(), min_size=64, max_size=64))
 def test_all_zero_blocks(n, g, neg):

@@ -874,22 +874,25 @@ def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot, mon
     slots[4] = -1
     cache = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8, device=device)
     K.write_cache(cache, key.to(device), value.to(device), slots.to(device), 1.5, 0.5,
-                  four_over_six=True, k_sub=None if k_sub is None else k_sub.to(device),
+                  block_scales="4over6", k_sub=None if k_sub is None else k_sub.to(device),
                   rotate_k=rot if flag is None else flag)
     k_cached = key[:t] - k_sub if sub else key[:t]
     k_cached = rotate(k_cached) if rot else k_cached
     ref = torch.zeros_like(cache, device="cpu")
-    R.write_cache(ref, k_cached, value[:t], slots, 1.5, 0.5, four_over_six=True)
+    R.write_cache(ref, k_cached, value[:t], slots, 1.5, 0.5, block_scales="4over6")
     got = cache.cpu()
     assert (got == ref).float().mean() > 0.998
     for a, b in zip(R.dequantize_pages(got, d, 1.5, 0.5), R.dequantize_pages(ref, d, 1.5, 0.5)):
         assert (a - b).abs().max() <= 0.5 * b.abs().max() / 6  # at most one E2M1 step
 
 
-def test_write_cache_four_over_six(device):
-    """4-over-6 block scales: the writer matches reference.quantize(four_over_six=True) except
-    at near-ties (the two squared-error sums are accumulated in different orders), never picks
-    the worse of the two scales, and does pick amax -> 4 for a good share of blocks."""
+@pytest.mark.parametrize("rule", ["4over6", "search"])
+def test_write_cache_block_scales(device, rule):
+    """The block-scale rules that try several scales (format.BLOCK_SCALE_RULES): the writer
+    matches reference.quantize_codes except at near-ties (the squared-error sums are
+    accumulated in different orders), never has a larger block error than amax -> 6 (nor,
+    for search, than 4over6, whose two candidates it also tries), and improves a good share
+    of blocks."""
     d, n, h, nb = 128, 16, 2, 3
     gen = _gen(21)
     x = torch.randn(nb * n, h, d, generator=gen) * torch.rand(nb * n, h, 1, generator=gen) * 4
@@ -897,20 +900,24 @@ def test_write_cache_four_over_six(device):
     slots = torch.arange(nb * n)
     cache = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8, device=device)
     K.write_cache(cache, k.to(device), v.to(device), slots.to(device), 0.7, 1.3,
-                  four_over_six=True)
-    ref = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8)
-    R.write_cache(ref, k, v, slots, 0.7, 1.3, four_over_six=True)
-    plain = torch.zeros_like(ref)
-    R.write_cache(plain, k, v, slots, 0.7, 1.3)
+                  block_scales=rule)
+    refs = {}
+    for r in ("amax6", "4over6", rule):
+        refs[r] = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8)
+        R.write_cache(refs[r], k, v, slots, 0.7, 1.3, block_scales=r)
     got = cache.cpu()
-    assert (got == ref).float().mean() > 0.999
+    assert (got == refs[rule]).float().mean() > 0.999
     for side, (x_in, g) in enumerate(((k, 0.7), (v, 1.3))):
         want = x_in.float().view(nb, n, h, d).transpose(1, 2).unflatten(-1, (-1, 16))
 
         def block_err(c):
             deq = R.dequantize_pages(c, d, 0.7, 1.3)[side]
             return ((deq.unflatten(-1, (-1, 16)) - want) ** 2).sum(-1)
-        e_got, e_ref, e_plain = block_err(got), block_err(ref), block_err(plain)
+        e_got, e_ref = block_err(got), block_err(refs[rule])
+        e_plain, e_46 = block_err(refs["amax6"]), block_err(refs["4over6"])
         assert (e_got <= e_plain * (1 + 1e-5) + 1e-12).all()
+        assert (e_got <= e_46 * (1 + 1e-5) + 1e-12).all()
         torch.testing.assert_close(e_got.sum(), e_ref.sum(), rtol=1e-5, atol=0)
         assert (e_got < e_plain * (1 - 1e-6)).float().mean() > 0.1
+        if rule == "search":
+            assert (e_got < e_46 * (1 - 1e-6)).float().mean() > 0.1

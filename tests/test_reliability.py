@@ -3,7 +3,7 @@
 1. Bad numbers. NaN, +-Inf, huge values, all-zero / underflowing blocks and denormals go
    through the writer and the readers with the behaviour README "The NVFP4 page format"
    documents, and never leak into other tokens, heads, blocks or requests. A fuzz of 2**20
-   random 16-value blocks checks reference.quantize / dequantize (plain and 4-over-6) against
+   random 16-value blocks checks reference.quantize / dequantize (each block-scale rule) against
    an independent numpy oracle written here from the format's definition; a smaller fuzz checks
    the Triton writer and gather against the reference, byte for byte.
 2. Layout safety: exact byte offsets of a known (side, token, head, element), through vLLM's
@@ -72,16 +72,21 @@ def nearest_even(v: np.ndarray, table: np.ndarray) -> np.ndarray:
     return np.where(tie & (i % 2 == 1), i + 1, i)
 
 
-def oracle_encode(x: np.ndarray, g, target: float):
-    """Blocks x [B, 16] float32 -> (scale codes [B], 4-bit codes [B, 16], decoded [B, 16]
-    float64 values of the stored grid, before * g rounding), by the format's definition:
-    amax ignores NaN; s = e4m3(amax / target / g) in fp32 steps; r = 1/(s*g) or 0;
-    q = e2m1(x * r), NaN -> 0, sign only on nonzero magnitudes."""
+def oracle_scale(x: np.ndarray, g, target: float) -> np.ndarray:
+    """Scale codes [B] mapping each block's amax (NaN ignored) to target: e4m3(amax / target
+    / g) in fp32 steps."""
     f32 = np.float32
     amax = np.where(np.isnan(x), f32(0), np.abs(x)).max(axis=1)
     with np.errstate(over="ignore"):
         v = (amax / f32(target)) / g                     # fp32, IEEE (two roundings)
-    s = nearest_even(v.astype(np.float64), E4M3)
+    return nearest_even(v.astype(np.float64), E4M3)
+
+
+def oracle_encode(x: np.ndarray, g, s: np.ndarray):
+    """Blocks x [B, 16] float32 with scale codes s [B] -> (s, 4-bit codes [B, 16], decoded
+    [B, 16] float64 values of the stored grid, before * g rounding), by the format's
+    definition: r = 1/(s*g) or 0; q = e2m1(x * r), NaN -> 0, sign only on nonzero magnitudes."""
+    f32 = np.float32
     scale = (E4M3[s].astype(f32) * g).astype(f32)
     with np.errstate(divide="ignore"):
         r = np.where(scale > 0, f32(1) / scale, f32(0)).astype(f32)
@@ -94,30 +99,52 @@ def oracle_encode(x: np.ndarray, g, target: float):
     return s.astype(np.uint8), code, grid
 
 
-def oracle_quantize(x: np.ndarray, g, four_over_six: bool, candidates=None):
-    """(scale codes [B], codes [B, 16], ambiguous [B], near [B]): ambiguous marks 4-over-6
-    blocks where either candidate is right: both decode to the same values, or (near) their
-    squared errors agree up to fp32 summation noise. candidates: the oracle_encode results
-    for targets 6 and 4, if already computed."""
+def oracle_candidates(x: np.ndarray, g, rule: str) -> list:
+    """oracle_encode of every scale code the rule tries, in its order (format.py: amax6 ->
+    s6; 4over6 -> s6, s4; search -> s6, s4, s6 - 1 unless s6 is 0 or saturated, s4 - 1 where
+    it is above s6; a code the rule skips for a block repeats s6 there)."""
+    s6 = oracle_scale(x, g, 6.0)
+    codes = [s6]
+    if rule != "amax6":
+        s4 = oracle_scale(x, g, 4.0)
+        codes.append(s4)
+        if rule == "search":
+            codes += [np.where((s6 >= 1) & (s6 < 0x7E), s6 - 1, s6),
+                      np.where(s4 - 1 > s6, s4 - 1, s6)]
+    return [oracle_encode(x, g, c) for c in codes]
+
+
+def oracle_quantize(x: np.ndarray, g, rule: str, candidates=None):
+    """(scale codes [B], codes [B, 16], ambiguous [B], near [B], right [C, B]): the first
+    candidate with the smallest squared error. ambiguous marks blocks where another candidate
+    is also right (right[c]): it decodes to the same values (e.g. 6 x 0.625 = 4 x 0.9375:
+    the fp32 error sums then differ by rounding only) or (near) its squared error agrees
+    with the best up to fp32 summation noise. Identical bytes are not ambiguous.
+    candidates: oracle_candidates(x, g, rule), if already computed."""
     g = np.asarray(g, dtype=np.float32)  # a scalar, or one per block [B]
-    if candidates is None:
-        candidates = [oracle_encode(x, g, t) for t in (6.0, 4.0)[:1 + four_over_six]]
-    s6, c6, grid6 = candidates[0]
-    if not four_over_six:
-        return s6, c6, np.zeros(len(x), bool), np.zeros(len(x), bool)
-    s4, c4, grid4 = candidates[1]
+    cands = candidates or oracle_candidates(x, g, rule)
+    s0, c0, _ = cands[0]
+    if len(cands) == 1:
+        none = np.zeros(len(x), bool)
+        return s0, c0, none, none, none[None]
     xf = np.where(np.isfinite(x), x, 0).astype(np.float64)
     gc = g[:, None] if g.ndim else g
-    e6 = ((grid6 * gc - xf) ** 2).sum(1)
-    e4 = ((grid4 * gc - xf) ** 2).sum(1)
-    use4 = e4 < e6
-    # Either choice is right where the two candidates decode to the same values (e.g. 6 x
-    # 0.625 = 4 x 0.9375: the fp32 error sums then differ by rounding only) or where their
-    # errors agree up to fp32 summation noise. Identical bytes are not ambiguous.
-    same_bytes = (s4 == s6) & (c4 == c6).all(1)
-    same_values = ~same_bytes & (grid4 == grid6).all(1)
-    near = ~same_bytes & ~same_values & (np.abs(e4 - e6) <= 1e-5 * (e4 + e6))
-    return np.where(use4, s4, s6), np.where(use4[:, None], c4, c6), same_values | near, near
+    errs = np.stack([((grid * gc - xf) ** 2).sum(1) for _, _, grid in cands])     # [C, B]
+    best = np.argmin(errs, axis=0)                 # first of the smallest: strict improvement
+    b = np.arange(len(x))
+    s, code, grid_best = (np.stack(part)[best, b] for part in zip(*cands))
+    e_best = errs[best, b]
+    right = np.zeros((len(cands), len(x)), bool)
+    near, ambiguous = np.zeros(len(x), bool), np.zeros(len(x), bool)
+    for i, (si, ci, gi) in enumerate(cands):
+        same_bytes = (si == s) & (ci == code).all(1)
+        same_values = ~same_bytes & (gi == grid_best).all(1)
+        close = (~same_bytes & ~same_values
+                 & (np.abs(errs[i] - e_best) <= 1e-5 * (errs[i] + e_best)))
+        right[i] = same_bytes | same_values | close
+        near |= close
+        ambiguous |= same_values | close
+    return s, code, ambiguous, near, right
 
 
 # ---------------------------------------------------------------- fuzz inputs
@@ -162,15 +189,16 @@ FUZZ_CHUNK = 16  # scales per batch: 2**18 blocks per reference call, few torch 
 
 
 def test_fuzz_reference_against_independent_oracle():
-    """2**20 random blocks, plain and 4-over-6 (the default): reference.quantize's scale bytes
-    and codes equal the oracle's (4-over-6: except the blocks whose two errors tie up to fp32
-    summation noise, where the reference must still pick one of the two candidates), and
-    reference.dequantize gives e2m1 * e4m3 * g with one fp32 rounding. Plus the documented
-    special-value behaviour, category by category. (The blocks of FUZZ_CHUNK global scales go
-    through one call, with a per-block global-scale tensor that broadcasts as a scalar would.)"""
+    """2**20 random blocks, each block-scale rule (amax6, 4over6, search: the default):
+    reference.quantize's scale bytes and codes equal the oracle's (4over6 and search: except
+    blocks where another candidate's error ties the best up to fp32 summation noise, where
+    the reference must still pick one of the tied candidates), and reference.dequantize
+    gives e2m1 * e4m3 * g with one fp32 rounding. Plus the documented special-value
+    behaviour, category by category. (The blocks of FUZZ_CHUNK global scales go through one
+    call, with a per-block global-scale tensor that broadcasts as a scalar would.)"""
     rng = np.random.default_rng(20261203)
-    counts = dict(near=0, between=0, blocks=0, nan=0, inf=0, zero_scale=0, saturated=0, four=0,
-                  fos_blocks=0)
+    counts = dict(near=0, between=0, blocks=0, nan=0, inf=0, zero_scale=0, saturated=0)
+    moved = {rule: 0 for rule in F.BLOCK_SCALE_RULES}  # blocks where not s6's encoding wins
     scales = _fuzz_scales(rng)
     for c in range(0, len(scales), FUZZ_CHUNK):
         gs = scales[c:c + FUZZ_CHUNK]
@@ -178,23 +206,23 @@ def test_fuzz_reference_against_independent_oracle():
         g = np.repeat(np.array(gs, dtype=np.float32), FUZZ_BLOCKS)        # [B], fp32-exact
         gcol, gt = g[:, None], torch.from_numpy(g).view(-1, 1, 1)
         xt = torch.from_numpy(x)
-        cands = [oracle_encode(x, g, t) for t in (6.0, 4.0)]
-        (s6, c6, _), (s4, c4, _) = cands
-        for fos in (False, True):
-            data, s = R.quantize(xt, gt, four_over_six=fos)
+        for rule in F.BLOCK_SCALE_RULES:
+            data, s = R.quantize(xt, gt, rule)
             s, data = s.numpy()[:, 0], data.numpy()
             code = R.unpack_codes(torch.from_numpy(data)).numpy().reshape(-1, 16)
-            ws, wc, amb, near = oracle_quantize(x, g, fos, cands)
+            cands = oracle_candidates(x, g, rule)
+            ws, wc, amb, near, right = oracle_quantize(x, g, rule, cands)
             ok = (s == ws) & (code == wc).all(1)
-            if fos:  # near-ties: one of the two candidates, nothing else
-                cand = (((s == s6) & (code == c6).all(1)) | ((s == s4) & (code == c4).all(1)))
-                assert cand[amb].all()
-                ok |= amb
-                counts["near"] += int(near.sum())
-                counts["fos_blocks"] += len(x)
-                counts["four"] += int(((s != s6) | (code != c6).any(1)).sum())
+            # near-ties: one of the tied candidates, nothing else
+            tied = np.zeros(len(x), bool)
+            for (cs, cc, _), r in zip(cands, right):
+                tied |= r & (s == cs) & (cc == code).all(1)
+            assert tied[amb].all()
+            ok |= amb
+            counts["near"] += int(near.sum())
+            moved[rule] += int(((s != cands[0][0]) | (code != cands[0][1]).any(1)).sum())
             bad = np.flatnonzero(~ok)
-            assert bad.size == 0, (f"g={g[bad[0]]} four_over_six={fos}: {bad.size} blocks "
+            assert bad.size == 0, (f"g={g[bad[0]]} {rule}: {bad.size} blocks "
                                    f"differ, first x={x[bad[0]].tolist()} got s={s[bad[0]]} "
                                    f"codes={code[bad[0]].tolist()} want s={ws[bad[0]]} "
                                    f"codes={wc[bad[0]].tolist()}")
@@ -206,12 +234,13 @@ def test_fuzz_reference_against_independent_oracle():
             assert (s[inf.any(1)] == 0x7E).all(), "Inf saturates the scale"
             assert ((code & 7)[inf] == 7).all() and ((code[inf] >> 3) == (x[inf] < 0)).all()
             amax = np.where(np.isnan(x), 0, np.abs(x).astype(np.float64)).max(1)
-            # underflow (README): amax below 6 * 2**-10 * g plain; with 4-over-6 the amax -> 4
-            # candidate underflows only below 4 * 2**-10 * g, and blocks in between may be kept
-            # at the smallest scale (2**-9), so the guaranteed bound is 4 * 2**-10 * g
-            under = amax < (4 if fos else 6) * 2.0 ** -10 * g * (1 - 2.0 ** -20)
+            # underflow (README): amax below 6 * 2**-10 * g with amax6; with the others the
+            # amax -> 4 candidate underflows only below 4 * 2**-10 * g, and blocks in between
+            # may be kept at the smallest scale (2**-9), so the guaranteed bound is 4 * 2**-10 * g
+            plain = rule == "amax6"
+            under = amax < (6 if plain else 4) * 2.0 ** -10 * g * (1 - 2.0 ** -20)
             assert (s[under] == 0).all() and (code[under] == 0).all(), "underflow -> zeros"
-            if fos:
+            if not plain:
                 counts["between"] += int(((s != 0) & (amax < 6 * 2.0 ** -10 * g)).sum())
             assert (s[amax > 6 * 448 * g * (1 + 2.0 ** -20)] == 0x7E).all(), "huge saturates"
             # dequantize: e2m1 * e4m3 (exact) * g rounded once to fp32; finite; never -0
@@ -223,7 +252,7 @@ def test_fuzz_reference_against_independent_oracle():
             # NaN elements decode to exactly 0; Inf to +-6 * 448 * g
             assert (deq[np.isnan(x)] == 0).all()
             assert (np.abs(deq) == np.float32(2688.0) * gcol)[inf].all()
-            if not fos:
+            if plain:
                 counts["blocks"] += len(x)
                 counts["nan"] += int(np.isnan(x).any(1).sum())
                 counts["inf"] += int(inf.any(1).sum())
@@ -232,24 +261,24 @@ def test_fuzz_reference_against_independent_oracle():
     assert counts["blocks"] >= 10 ** 6
     # the fuzz reaches every category in bulk (a guard against a generator that drifted)
     assert min(counts["nan"], counts["inf"], counts["zero_scale"], counts["saturated"]) > 10 ** 4
-    assert counts["between"] > 0  # the 4-over-6 underflow gap is real and reached
-    assert counts["fos_blocks"] >= 10 ** 6
-    assert counts["four"] > 0.2 * counts["fos_blocks"]  # the 4 candidate is picked often
-    assert counts["near"] < 10 ** -3 * counts["fos_blocks"]
+    assert counts["between"] > 0  # the 4over6 / search underflow gap is real and reached
+    # the other candidates are picked often (search: more often than 4over6's one)
+    assert moved["amax6"] == 0 and 0.2 * counts["blocks"] < moved["4over6"] < moved["search"]
+    assert counts["near"] < 10 ** -3 * counts["blocks"]
 
 
-def _kernel_oracle_write(cache_cpu, key, value, slots, k_scale, v_scale, fos=False):
+def _kernel_oracle_write(cache_cpu, key, value, slots, k_scale, v_scale, rule="amax6"):
     cpu = [t.cpu() if torch.is_tensor(t) else t for t in (key, value, slots)]
-    R.write_cache(cache_cpu, *cpu, k_scale, v_scale, four_over_six=fos)
+    R.write_cache(cache_cpu, *cpu, k_scale, v_scale, rule)
 
 
 def test_fuzz_triton_writer_and_gather(device):
     """1,024 K and 1,024 V blocks (2**20 each on a GPU) from the fuzz generator (specials
     included; global scales 1.0 and 0.0173) through the Triton writer: the whole cache buffer
-    (garbage around, padded slots) is byte-identical to the reference writer's; 4-over-6 too
-    (on 12 rows), except near-ties, where the kernel's pick still has no larger error than the
-    reference's. Then the Triton gather of every written token equals
-    the reference gather bit for bit (fp32), and is finite."""
+    (garbage around, padded slots) is byte-identical to the reference writer's; 4over6 and
+    search too (on 12 rows), except near-ties, where the kernel's pick still has no larger
+    error than the reference's. Then the Triton gather of every written token equals the
+    reference gather bit for bit (fp32), and is finite."""
     t, h, d, n = (32768 if device == "cuda" else 32), 2, 256, 16
     k_scale, v_scale = 1.0, 0.0173
     rng = np.random.default_rng(7)
@@ -261,21 +290,22 @@ def test_fuzz_triton_writer_and_gather(device):
     slots[torch.randperm(t + 4, generator=gen)[:4]] = -1      # padded tokens
     key = torch.cat([key, key[:4]])
     value = torch.cat([value, value[:4]])
-    for fos in (False, True):
-        if fos:  # the 4-over-6 writer encodes twice: a third of the rows suffices
+    for rule in F.BLOCK_SCALE_RULES:
+        fos = rule != "amax6"
+        if fos:  # these writers encode 2 or 4 times: a third of the rows suffices
             key, value, slots = key[:12], value[:12], slots[:12]
         buf = garbage(F.kv_cache_shape(nb, n, h, d), gen)
         ref = buf.clone()
         cache = buf.to(device)
         K.write_cache(cache, key.to(device), value.to(device), slots.to(device), k_scale,
-                      v_scale, four_over_six=fos)
-        _kernel_oracle_write(ref, key, value, slots, k_scale, v_scale, fos)
+                      v_scale, block_scales=rule)
+        _kernel_oracle_write(ref, key, value, slots, k_scale, v_scale, rule)
         got = cache.cpu()
         if not fos:
             assert torch.equal(got, ref), f"{int((got != ref).sum())} bytes differ"
         else:
-            # rows whose bytes differ: each block the kernel stored must be one of the two
-            # candidates with an error within fp32 noise of the reference's choice
+            # rows whose bytes differ: each block the kernel stored must be a candidate
+            # with an error within fp32 noise of the reference's choice
             valid = slots >= 0
             blk, off = slots[valid] // n, slots[valid] % n
             rows_got = R.dequantize_rows(got, blk, off, d, k_scale, v_scale)
@@ -546,7 +576,7 @@ def test_padded_slots_never_touch_a_byte(device):
                                 slots.to(device))
         kk = impl.space.key(key[valid])
         want = before.clone()
-        R.write_cache(want, kk, value[valid], slots[valid], 0.7, 1.1, impl.four_over_six)
+        R.write_cache(want, kk, value[valid], slots[valid], 0.7, 1.1, impl.block_scales)
         check(cache)
 
 
@@ -704,6 +734,9 @@ def test_mixed_batch_no_cross_request_leakage(device, monkeypatch):
     (0 * NaN) before the backend sanitised them."""
     pytest.importorskip("vllm")
     from vllm_nvfp4kv import prefill
+    # K's rotation is chosen per layer from its first real batch, all requests' rows
+    # together (NVFP4KV_ROTATE_K=auto): a shared choice by design, fixed here
+    monkeypatch.setenv("NVFP4KV_ROTATE_K", "0")
     attend = prefill.dense_attention
 
     def finite_kv_only(q, k, v, *args, **kwargs):

@@ -36,8 +36,11 @@ logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applie
 def options() -> dict:
     """The backend's options, read from the environment when an engine builds its layers.
     Accuracy (README "Accuracy options"; defaults chosen by evals/fidelity.py --variants):
-    NVFP4KV_FOUR_OVER_SIX (default 1): per block, the scale mapping amax to 4 or 6, whichever
-      has the smaller squared error. Same page format; only the writer changes.
+    NVFP4KV_BLOCK_SCALES (default search): how the writer picks each 16-value block's E4M3
+      scale (kernels/format.py): search, of the codes of amax / 6 and amax / 4 and the one just
+      below each, the one with the smallest squared error; 4over6, amax -> 4 or amax -> 6,
+      whichever has the smaller error; amax6, amax -> 6 (the seed's). Same page format;
+      only the writer changes. The older NVFP4KV_FOUR_OVER_SIX=1 / 0 means 4over6 / amax6.
     NVFP4KV_ROTATE_K (default auto): Hadamard-rotate K, and Q with it so q.k is unchanged,
       before caching (power-of-two head sizes). auto: each layer decides at its first real
       batch, keeping the rotation where it lowers that batch's q.k error through the cache
@@ -67,7 +70,7 @@ def options() -> dict:
       entries loaded in the tile's own iteration (the default before 2026-12-05);
       "bt_ahead_s3", entries a tile ahead with 3 load stages instead of 4), for serving A/Bs."""
     env = os.environ.get
-    return {"four_over_six": env("NVFP4KV_FOUR_OVER_SIX", "1") == "1",
+    return {"block_scales": _block_scales(),
             "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
             "rotate_v": env("NVFP4KV_ROTATE_V", "0") == "1",
             "center_k": _choice("NVFP4KV_CENTER_K", "auto", ("auto", "0", "1")),
@@ -75,6 +78,16 @@ def options() -> dict:
             "fuse_transforms": env("NVFP4KV_FUSE_TRANSFORMS", "0") == "1",
             "decode_variant": _choice("NVFP4KV_DECODE_VARIANT", "default",
                                       tuple(DECODE_VARIANTS))}
+
+
+def _block_scales() -> str:
+    old = os.environ.get("NVFP4KV_FOUR_OVER_SIX")
+    if old is None:
+        return _choice("NVFP4KV_BLOCK_SCALES", fmt.DEFAULT_BLOCK_SCALES, fmt.BLOCK_SCALE_RULES)
+    if "NVFP4KV_BLOCK_SCALES" in os.environ:
+        raise ValueError("NVFP4KV_FOUR_OVER_SIX and NVFP4KV_BLOCK_SCALES are both set: keep "
+                         "NVFP4KV_BLOCK_SCALES")
+    return {"1": "4over6", "0": "amax6"}[_choice("NVFP4KV_FOUR_OVER_SIX", old, ("0", "1"))]
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -298,7 +311,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if (opts["rotate_k"] == "1" or opts["rotate_v"]) and not pow2:
             raise ValueError(f"NVFP4KV_ROTATE_K/V=1 need a power-of-two head_size, got "
                              f"{head_size}; unset them for this model")
-        self.four_over_six = opts["four_over_six"]
+        self.block_scales = opts["block_scales"]
         self.rotate_k_option = opts["rotate_k"]
         self.center_k_option = opts["center_k"]
         self._online_center = False  # k_sub reserved (zeros), set at the first real batch
@@ -355,12 +368,12 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             self._checked = True
         if self._fused_k:
             write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale,
-                        self.four_over_six, k_sub=self.space.k_sub,
+                        self.block_scales, k_sub=self.space.k_sub,
                         rotate_k=self.space.rotate_k if self.space.k_rot_on is None
                         else self.space.k_rot_on)  # per-layer choice: read at run time
             return
         write = write_cache if kv_cache.is_cuda else reference.write_cache
-        write(kv_cache, key, value, slot_mapping, k_scale, v_scale, self.four_over_six)
+        write(kv_cache, key, value, slot_mapping, k_scale, v_scale, self.block_scales)
 
     def _init_space(self, layer, key) -> None:
         """At the layer's first eager write (before any CUDA graph capture): K centering and
@@ -491,7 +504,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         k_scale, v_scale = global_scales(layer)
         real = slots >= 0
         on = rotation_helps(q, self.space.unrotated_key(key[real]), k_scale,
-                            self.four_over_six)
+                            self.block_scales)
         name = getattr(layer, "layer_name", "?")
         logger.debug("NVFP4 KV cache: layer %s %s the rotation of K", name,
                      "keeps" if on else "drops")
@@ -503,7 +516,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         self.space.choose_rotation(False)
         write = write_cache if kv_cache.is_cuda else reference.write_cache
         write(kv_cache, self.space.key(key), self.space.value(value), slots, k_scale, v_scale,
-              self.four_over_six)
+              self.block_scales)
 
     def _decode(self, q, kv_cache, md, out, k_scale, v_scale):
         b = md.num_decodes

@@ -97,7 +97,7 @@ class CacheSpace:
         return rotate(o) if self.rotate_v else o
 
 
-def rotation_errors(q: torch.Tensor, k: torch.Tensor, k_scale, four_over_six: bool,
+def rotation_errors(q: torch.Tensor, k: torch.Tensor, k_scale, block_scales: str,
                     max_tokens: int = 256) -> dict:
     """Squared errors the 4-bit cache causes, without and with K's rotation (q rotated alike):
     of the keys (k_plain, k_rot) and of the scores q.k (score_plain, score_rot), for queries
@@ -105,12 +105,13 @@ def rotation_errors(q: torch.Tensor, k: torch.Tensor, k_scale, four_over_six: bo
     against every key of its head group, up to max_tokens of each, evenly spaced."""
     def spaced(x):  # integer arithmetic: vLLM may set a BF16 default dtype
         m = min(max_tokens, x.shape[0])
-        return x[torch.arange(m, device=x.device) * (x.shape[0] - 1) // max(m - 1, 1)].float()
+        x = x[torch.arange(m, device=x.device) * (x.shape[0] - 1) // max(m - 1, 1)].float()
+        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # NaN errors decide nothing
     q, k = spaced(q), spaced(k)
     group = q.shape[1] // k.shape[1]
     out = {}
     for tag, (x, qx) in (("plain", (k, q)), ("rot", (rotate(k), rotate(q)))):
-        data, s = reference.quantize(x, k_scale, four_over_six)
+        data, s = reference.quantize(x, k_scale, block_scales)
         e = reference.dequantize(data, s, k_scale) - x
         out[f"k_{tag}"] = float(e.pow(2).sum())
         out[f"score_{tag}"] = float(torch.einsum("thd,shd->hts", qx, e.repeat_interleave(
@@ -118,10 +119,10 @@ def rotation_errors(q: torch.Tensor, k: torch.Tensor, k_scale, four_over_six: bo
     return out
 
 
-def rotation_helps(q: torch.Tensor, k: torch.Tensor, k_scale, four_over_six: bool) -> bool:
+def rotation_helps(q: torch.Tensor, k: torch.Tensor, k_scale, block_scales: str) -> bool:
     """Whether rotating K (and q) lowers the error of one batch's scores q.k through the 4-bit
     cache (rotation_errors). K's own error does not decide it: on Gemma 3 the rotation lowers
     K's error in 14 of 18 layers but raises the score error in 6, up to 10x
     (evals/rotation_probe.py, evals/RESULTS.md)."""
-    err = rotation_errors(q, k, k_scale, four_over_six)
+    err = rotation_errors(q, k, k_scale, block_scales)
     return err["score_rot"] < err["score_plain"]
