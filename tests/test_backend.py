@@ -1,6 +1,7 @@
 """The backend's attention paths on a mixed batch (decodes, a chunked-prefill extend over a
 cached prefix, an initial prefill) against the torch reference. CPU: the backend's torch path;
 CUDA: Triton kernels + FlashAttention."""
+import math
 from types import SimpleNamespace
 from unittest import mock
 
@@ -558,3 +559,18 @@ def test_block_scales_option():
         reference.write_cache(want, k.bfloat16(), v.bfloat16(), slots, 1.0, 1.0, rule)
         assert torch.equal(caches[rule], want)
     assert not torch.equal(caches["amax6"], caches["search"])
+
+
+def test_rotation_choice_ignores_non_finite_values():
+    """A NaN / Inf key or query in the first real batch (a request's bad numbers) does not
+    decide K's rotation for the layer: the choice is the one made with those values at 0."""
+    from vllm_nvfp4kv.cache_space import rotation_helps
+    for helps in (True, False):
+        k, _, q = _rotation_case(helps)
+        q = q.repeat(4, 1, 1)
+        k[5, 0, :3], k[9, 1, 7], q[2, 1, :] = math.nan, math.inf, -math.inf
+        clean_k = torch.nan_to_num(k, nan=0.0, posinf=0.0, neginf=0.0)
+        clean_q = torch.nan_to_num(q, nan=0.0, posinf=0.0, neginf=0.0)
+        want = rotation_helps(clean_q, clean_k, 1.0, DEFAULT_BLOCK_SCALES)
+        assert want == helps
+        assert rotation_helps(q, k, 1.0, DEFAULT_BLOCK_SCALES) == want
