@@ -157,3 +157,19 @@ def test_turboquant_baseline_attends_like_exact_attention():
     exact = torch.einsum("ht,thd->hd", s.softmax(-1), k)
     err = float((out - exact).norm() / exact.norm())
     assert err < 0.25, err  # measured 0.14 (torch 2.11 CPU, triton 3.6 interpreter)
+
+
+def test_bench_write_toy_runs_every_rule(tmp_path):
+    """evals/bench_write.py --toy (Triton's interpreter): one row per block-scale rule, plain
+    and with the K transforms fused, a JSON with the run's provenance, and its PNG."""
+    import subprocess
+    from vllm_nvfp4kv.kernels.format import BLOCK_SCALE_RULES
+    out = tmp_path / "write.json"
+    script = Path(__file__).resolve().parents[1] / "evals" / "bench_write.py"
+    subprocess.run([sys.executable, "-P", str(script), "--toy", "--out", str(out)], check=True,
+                   capture_output=True)
+    res = json.loads(out.read_text())
+    assert [(r["rule"], r["fused"]) for r in res["rows"]] == [
+        (rule, fused) for fused in (False, True) for rule in BLOCK_SCALE_RULES]
+    assert all(r["us"] > 0 for r in res["rows"]) and res["run"]["device"].startswith("CPU")
+    assert out.with_suffix(".png").stat().st_size > 0
