@@ -117,13 +117,14 @@ def main():
     rows = [(None, None)] + [(v, r) for v in args.variants for r in args.block_scales]
     sums = [{"nll": 0.0, "kl": 0.0, "top1": 0, "tokens": 0} for _ in rows]
     for text in texts[:args.texts]:  # per text: the exact run is every row's reference
-        ref = None
+        ref = ref_p = None
         for (variant, rule), acc in zip(rows, sums):
             mode["variant"], mode["rule"] = variant, rule or "amax6"
             lp, target = logprobs(text)
-            ref = lp if ref is None else ref
+            if ref is None:
+                ref, ref_p = lp, lp.exp()
             acc["nll"] -= float(lp.gather(1, target[:, None]).sum())
-            acc["kl"] += float((ref.exp() * (ref - lp)).sum())
+            acc["kl"] += float((ref_p * (ref - lp)).sum())
             acc["top1"] += int((lp.argmax(-1) == ref.argmax(-1)).sum())
             acc["tokens"] += len(target)
     res = {"model": Path(path).name, "texts": args.texts, "calib_texts": args.calib_texts,

@@ -9,11 +9,11 @@ import triton.language as tl
 from .codec import (E2M1_FP16_FACTOR, e2m1_decode_fp16, e2m1_encode, e2m1_pack_v_token,
                     e2m1_pack_words, e4m3_decode, e4m3_encode, round_to, v_slot,
                     v_token_bytes)
-from . import format as fmt
 from .format import BLOCK_SCALE_RULES, GROUP_SIZE, PageLayout
+from .format import E4M3_MAX_CODE as _E4M3_MAX_CODE
 from .rotation import fwht, hadamard_entry
 
-E4M3_MAX_CODE = tl.constexpr(fmt.E4M3_MAX_CODE)
+E4M3_MAX_CODE = tl.constexpr(_E4M3_MAX_CODE)  # a constexpr: jit code reads only those
 
 
 @triton.jit

@@ -66,12 +66,11 @@ def scale_candidates(amax: torch.Tensor, g: torch.Tensor, block_scales: str) -> 
 
 
 def _encode_with(xb: torch.Tensor, s: torch.Tensor, g: torch.Tensor):
-    """Blocks [..., 16] with scale bytes s [..., 1] -> (codes, squared error [..., 1])."""
+    """Blocks [..., 16] with scale bytes s [..., 1] -> (codes, decoded values)."""
     scale = e4m3_decode(s) * g
     r = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     code = e2m1_encode(xb * r)
-    xf = torch.nan_to_num(xb, nan=0.0, posinf=0.0, neginf=0.0)
-    return code, ((e2m1_decode(code) * scale - xf) ** 2).sum(-1, keepdim=True)
+    return code, e2m1_decode(code) * scale
 
 
 def quantize_codes(x: torch.Tensor, global_scale: float | torch.Tensor,
@@ -86,12 +85,16 @@ def quantize_codes(x: torch.Tensor, global_scale: float | torch.Tensor,
     amax = torch.nan_to_num(xb.abs(), nan=0.0).amax(-1, keepdim=True)
     cands = scale_candidates(amax, g, block_scales)
     s = cands[0]
-    code, err = _encode_with(xb, s, g)
-    for sc in cands[1:]:
-        code_c, err_c = _encode_with(xb, sc, g)
-        better = err_c < err
-        s, code, err = (torch.where(better, sc, s), torch.where(better, code_c, code),
-                        torch.where(better, err_c, err))
+    code, deq = _encode_with(xb, s, g)
+    if len(cands) > 1:  # squared errors, NaN / Inf inputs counted as 0
+        xf = torch.nan_to_num(xb, nan=0.0, posinf=0.0, neginf=0.0)
+        err = ((deq - xf) ** 2).sum(-1, keepdim=True)
+        for sc in cands[1:]:
+            code_c, deq_c = _encode_with(xb, sc, g)
+            err_c = ((deq_c - xf) ** 2).sum(-1, keepdim=True)
+            better = err_c < err
+            s, code, err = (torch.where(better, sc, s), torch.where(better, code_c, code),
+                            torch.where(better, err_c, err))
     return code.flatten(-2), s.squeeze(-1)
 
 
