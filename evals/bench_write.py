@@ -1,10 +1,12 @@
 """Cache-writer benchmark: what each block-scale rule (NVFP4KV_BLOCK_SCALES: amax6, 4over6,
 search) costs the fused quantize-and-write kernel, at a decode step's token count (latency:
 one token per sequence) and at prefill sizes (throughput), with and without K centering +
-rotation fused into the writer. Median of CUDA-graph replays (bench_decode.time_fn); writes
+rotation fused into the writer, and (--tokens-per-program) per writer launch shape
+(cache_write.tokens_per_program_for picks one by default). Median of CUDA-graph replays (bench_decode.time_fn); writes
 JSON and a PNG plot.
 
     python evals/bench_write.py --out evals/results/write_h200.json
+    python evals/bench_write.py --tokens-per-program 1 2 4 8 --out evals/results/write_bt_h200.json
     python evals/bench_write.py --toy        # CPU, Triton interpreter, one tiny shape
 """
 from __future__ import annotations
@@ -25,10 +27,11 @@ import assets  # noqa: E402
 from bench_decode import time_fn  # noqa: E402
 
 from vllm_nvfp4kv.kernels import kv_cache_shape, write_cache  # noqa: E402
+from vllm_nvfp4kv.kernels.cache_write import tokens_per_program_for  # noqa: E402
 from vllm_nvfp4kv.kernels.format import BLOCK_SCALE_RULES  # noqa: E402
 
 
-def bench(tokens: int, heads: int, d: int, rule: str, fused: bool, device) -> float:
+def bench(tokens: int, heads: int, d: int, rule: str, fused: bool, bt: int, device) -> float:
     """ms per write of `tokens` tokens x `heads` KV heads into random slots of a page pool."""
     n = 16
     g = torch.Generator(device="cpu").manual_seed(tokens)
@@ -41,8 +44,11 @@ def bench(tokens: int, heads: int, d: int, rule: str, fused: bool, device) -> fl
     if fused:  # K - mu and the rotation (behind the per-layer flag) inside the writer
         extra = dict(k_sub=torch.zeros(heads, d, dtype=torch.bfloat16, device=device),
                      rotate_k=torch.ones(1, dtype=torch.int32, device=device))
-    return time_fn(lambda: write_cache(cache, key, value, slots, 1.0, 1.0, rule, **extra),
-                   device)
+    # scales as device tensors, as vLLM passes them: a Python float would be copied from the
+    # host inside the CUDA-graph capture of time_fn
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    return time_fn(lambda: write_cache(cache, key, value, slots, one, one, rule,
+                                       tokens_per_program=bt, **extra), device)
 
 
 def plot(res: dict, png: str) -> None:
@@ -50,10 +56,12 @@ def plot(res: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     shapes = sorted({r["tokens"] for r in res["rows"]})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(3.2 * len(shapes), 3.2), squeeze=False)
+    tall = 3.2 * max(1, len({r["tokens_per_program"] for r in res["rows"]}) / 2)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(3.4 * len(shapes), tall), squeeze=False)
     for ax, t in zip(axes[0], shapes):
         rows = [r for r in res["rows"] if r["tokens"] == t]
-        labels = [r["rule"] + (" +fused" if r["fused"] else "") for r in rows]
+        labels = [r["rule"] + (" +fused" if r["fused"] else "") + f" bt{r['tokens_per_program']}"
+                  for r in rows]
         ax.barh(labels, [r["us"] for r in rows], color="tab:green")
         ax.set_title(f"{t} tokens x {res['heads']} heads", fontsize=9)
         ax.set_xlabel("us per write")
@@ -69,6 +77,8 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 2048, 32768])
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--tokens-per-program", type=int, nargs="+", default=[0],
+                    help="writer launch shapes to time (0: the launcher's choice)")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter, one tiny shape")
     ap.add_argument("--out", default="evals/results/write.json")
     args = ap.parse_args()
@@ -79,23 +89,26 @@ def main():
     res = {"heads": args.heads, "head_dim": args.head_dim, "run": assets.run_info(on_gpu),
            "rows": []}
     for t in args.tokens:
+        bts = sorted({b or tokens_per_program_for(t, args.heads) for b in args.tokens_per_program})
         for fused in (False, True):
-            for rule in BLOCK_SCALE_RULES:
-                ms = bench(t, args.heads, args.head_dim, rule, fused, device)
-                res["rows"].append({"tokens": t, "rule": rule, "fused": fused,
-                                    "us": round(ms * 1e3, 2)})
+            for bt in bts:
+                for rule in BLOCK_SCALE_RULES:
+                    ms = bench(t, args.heads, args.head_dim, rule, fused, bt, device)
+                    res["rows"].append({"tokens": t, "rule": rule, "fused": fused,
+                                        "tokens_per_program": bt, "us": round(ms * 1e3, 2)})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     plot(res, str(Path(args.out).with_suffix(".png")))
     print(f"{res['run']['device']}: us per write ({args.heads} KV heads, D={args.head_dim})")
-    print("| tokens | fused K transforms | " + " | ".join(BLOCK_SCALE_RULES) + " |")
-    print("|---:|---|" + "---:|" * len(BLOCK_SCALE_RULES))
-    for t in args.tokens:
-        for fused in (False, True):
-            us = {r["rule"]: r["us"] for r in res["rows"] if r["tokens"] == t
-                  and r["fused"] == fused}
-            print(f"| {t} | {'yes' if fused else 'no'} | "
-                  + " | ".join(f"{us[r]:.1f}" for r in BLOCK_SCALE_RULES) + " |")
+    print("| tokens | fused K transforms | tokens per program | "
+          + " | ".join(BLOCK_SCALE_RULES) + " |")
+    print("|---:|---|---:|" + "---:|" * len(BLOCK_SCALE_RULES))
+    shapes = dict.fromkeys((r["tokens"], r["fused"], r["tokens_per_program"]) for r in res["rows"])
+    for t, fused, bt in shapes:
+        us = {r["rule"]: r["us"] for r in res["rows"]
+              if (r["tokens"], r["fused"], r["tokens_per_program"]) == (t, fused, bt)}
+        print(f"| {t} | {'yes' if fused else 'no'} | {bt} | "
+              + " | ".join(f"{us[r]:.1f}" for r in BLOCK_SCALE_RULES) + " |")
 
 
 if __name__ == "__main__":

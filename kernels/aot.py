@@ -45,15 +45,17 @@ def specs() -> dict:
                       window="i32", num_splits="i32")
     write_sig = dict(key_ptr="*bf16", value_ptr="*bf16", cache_ptr=P, slot_ptr="*i64",
                      k_scale_ptr="*fp32", v_scale_ptr="*fp32", k_sub_ptr="*bf16",
-                     rot_on_ptr="*i32", stride_kt="i32", stride_kh="i32", stride_vt="i32",
+                     rot_on_ptr="*i32", T="i32", stride_kt="i32", stride_kh="i32", stride_vt="i32",
                      stride_vh="i32", page_stride="i64", rot_c="fp32")
 
-    def write_constexprs(k_sub=False, rotate_k=False, rot_flag=False):
+    def write_constexprs(k_sub=False, rotate_k=False, rot_flag=False, bt=1):
         return dict(H=8, N=16, D=128, G_PAD=8, HAS_K_SUB=k_sub, ROTATE_K=rotate_k,
-                    ROT_FLAG=rot_flag, LOG2_D=7,
+                    ROT_FLAG=rot_flag, LOG2_D=7, BT=bt,
                     RULE=BLOCK_SCALE_RULES.index(DEFAULT_BLOCK_SCALES))
     return {
         "write": (cache_write._write_kernel, write_sig, write_constexprs(), 1),
+        # the prefill launch (cache_write.tokens_per_program_for)
+        "write-4-tokens": (cache_write._write_kernel, write_sig, write_constexprs(bt=4), 1),
         "write-k-transform": (cache_write._write_kernel, write_sig,
                               write_constexprs(k_sub=True, rotate_k=True), 1),
         "write-k-transform-flag": (cache_write._write_kernel, write_sig,

@@ -100,13 +100,31 @@ def e4m3_decode(code):
 
 
 @triton.jit
+def e2m1_round(a):
+    """Magnitudes (fp32 >= 0 or +inf, no NaN) -> the nearest E2M1 magnitude as fp32, ties to
+    the even code, saturating at 6: the value of e2m1_encode's code. fp32's own rounding does
+    it: adding and subtracting c = 2**(22 + e), e = clamp(floor(log2 a), 0, 2), rounds to
+    multiples of c's ulp, which is E2M1's spacing (0.5 below 2, 1 below 4, 2 above): 7
+    instructions where comparing against the 7 thresholds takes 20."""
+    e = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000),
+                   0x40800000)
+    c = (e + (22 << 23)).to(tl.float32, bitcast=True)
+    return tl.minimum((a + c) - c, 6.0)
+
+
+@triton.jit
+def e2m1_code_of(v, neg):
+    """An E2M1 magnitude (e2m1_round's) and where the value is negative -> 4-bit code (int32);
+    the sign only on nonzero codes. From 1 up the code is fp32's exponent and first mantissa
+    bit: 1.0 (0x3F800000) -> 2 ... 6.0 (0x40C00000) -> 7."""
+    mag = tl.where(v >= 1.0, (v.to(tl.int32, bitcast=True) >> 22) - 252, (v * 2.0).to(tl.int32))
+    return mag | tl.where(neg & (mag > 0), 8, 0)
+
+
+@triton.jit
 def e2m1_encode(y):
     """fp32 (already divided by the block scale) -> 4-bit code (int32). NaN -> 0."""
-    a = tl.abs(y)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
-    return code | tl.where((y < 0) & (code > 0), 8, 0)
+    return e2m1_code_of(e2m1_round(tl.where(y == y, tl.abs(y), 0.0)), y < 0)
 
 
 @triton.jit

@@ -206,11 +206,13 @@ WRITE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("bt", [None, 8], ids=["bt-auto", "bt8"])
 @pytest.mark.parametrize("d,n,h,dtype,layout,views", WRITE_CASES)
-def test_write_cache_matches_reference(device, d, n, h, dtype, layout, views):
+def test_write_cache_matches_reference(device, d, n, h, dtype, layout, views, bt):
     """Bit-exact vs reference.write_cache over the whole backing buffer: negative slots
     skipped, other slots' bytes (and the padding between pages) untouched; key/value may have
-    more rows than slot_mapping; scales as floats or tensors."""
+    more rows than slot_mapping; scales as floats or tensors. bt: tokens per writer program
+    (the launcher's choice, or 8: 12 tokens end inside a program)."""
     gen = _gen(d * 7 + n)
     nb, t = 4, 12
     cache, cache_ref, buf, buf_ref = cache_pair(nb, n, h, d, device, gen, layout)
@@ -228,7 +230,7 @@ def test_write_cache_matches_reference(device, d, n, h, dtype, layout, views):
     slots[5] = nb * n - 1  # last slot of the cache
     slots = slots.to(device)
     k_scale, v_scale = 0.37, torch.tensor([2.5], device=device)
-    K.write_cache(cache, key, value, slots, k_scale, v_scale)
+    K.write_cache(cache, key, value, slots, k_scale, v_scale, tokens_per_program=bt)
     ref_write(cache_ref, key[:t], value[:t], slots, k_scale, v_scale)
     assert_same_bytes(buf, buf_ref)
 
@@ -276,8 +278,8 @@ def test_write_cache_special_values(device, dtype):
     value = rows.flip(0)[:, None].to(device)
     cache, cache_ref, buf, buf_ref = cache_pair(2, n, h, d, device, gen)
     slots = torch.arange(t, device=device)
-    for g in (1.0, 0.03125, 3.3):
-        K.write_cache(cache, key, value, slots, g, 1 / g)
+    for g, bt in ((1.0, None), (0.03125, 8), (3.3, 4)):  # bt: tokens per writer program
+        K.write_cache(cache, key, value, slots, g, 1 / g, tokens_per_program=bt)
         ref_write(cache_ref, key, value, slots, g, 1 / g)
         assert_same_bytes(buf, buf_ref)
         _, ks, _, vs = R.page_views(cache, d)
@@ -372,7 +374,8 @@ def test_write_cache_random_configs(device, seed):
     slots[torch.rand(slots.shape, generator=gen) < 0.3] = -1
     slots = slots.to(device)
     k_scale, v_scale = rng.choice((1.0, 0.01, 3.7)), rng.choice((1.0, 0.2, 96.0))
-    K.write_cache(cache, key, value, slots, k_scale, v_scale)
+    K.write_cache(cache, key, value, slots, k_scale, v_scale,
+                  tokens_per_program=rng.choice((None, 2, 4)))
     ref_write(cache_ref, key, value, slots, k_scale, v_scale)
     assert_same_bytes(buf, buf_ref)
 
@@ -838,19 +841,20 @@ def test_choose_num_splits():
     assert K.choose_num_splits(1, 1, 10 ** 6, dev) == K.choose_num_splits(1, 1, 10 ** 7, dev)
 
 
-@pytest.mark.parametrize("d,dtype,sub,rot", [
-    (128, torch.bfloat16, True, True), (128, torch.bfloat16, False, True),
-    (128, torch.float16, True, False), (64, torch.float32, True, True),
-    (256, torch.bfloat16, True, True), (128, torch.bfloat16, True, "flag1"),
-    (128, torch.bfloat16, True, "flag0")])
-def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot, monkeypatch):
+@pytest.mark.parametrize("d,dtype,sub,rot,bt", [
+    (128, torch.bfloat16, True, True, None), (128, torch.bfloat16, False, True, 4),
+    (128, torch.float16, True, False, None), (64, torch.float32, True, True, 8),
+    (256, torch.bfloat16, True, True, None), (128, torch.bfloat16, True, "flag1", 4),
+    (128, torch.bfloat16, True, "flag0", None)])
+def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot, bt, monkeypatch):
     """k_sub / rotate_k in the writer: the same cache as the torch path it replaces
     (cache_space.CacheSpace.key: rotate(key - k_sub), each rounded to key's dtype, then
     reference.write_cache), up to a rare last-bit difference from the order of fp32 sums that
     can move a value across an E2M1 rounding threshold. K carries Qwen-like offset channels
     (~350) that the subtraction removes; V is written as usual. "flagN": rotate_k given as a
     device flag (the per-layer choice, read at run time) holding N, which the host never
-    reads (bool() of it would sync, and CUDA graph capture fails: found on an H100)."""
+    reads (bool() of it would sync, and CUDA graph capture fails: found on an H100). bt:
+    tokens per writer program (45 tokens end inside a program of 4 or 8)."""
     flag = None
     if isinstance(rot, str):
         flag = torch.tensor([int(rot[-1])], dtype=torch.int32, device=device)
@@ -875,7 +879,7 @@ def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot, mon
     cache = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8, device=device)
     K.write_cache(cache, key.to(device), value.to(device), slots.to(device), 1.5, 0.5,
                   block_scales="4over6", k_sub=None if k_sub is None else k_sub.to(device),
-                  rotate_k=rot if flag is None else flag)
+                  rotate_k=rot if flag is None else flag, tokens_per_program=bt)
     k_cached = key[:t] - k_sub if sub else key[:t]
     k_cached = rotate(k_cached) if rot else k_cached
     ref = torch.zeros_like(cache, device="cpu")
@@ -886,13 +890,13 @@ def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot, mon
         assert (a - b).abs().max() <= 0.5 * b.abs().max() / 6  # at most one E2M1 step
 
 
-@pytest.mark.parametrize("rule", ["4over6", "search"])
-def test_write_cache_block_scales(device, rule):
+@pytest.mark.parametrize("rule,bt", [("4over6", None), ("search", None), ("search", 4)])
+def test_write_cache_block_scales(device, rule, bt):
     """The block-scale rules that try several scales (format.BLOCK_SCALE_RULES): the writer
     matches reference.quantize_codes except at near-ties (the squared-error sums are
     accumulated in different orders), never has a larger block error than amax -> 6 (nor,
     for search, than 4over6, whose two candidates it also tries), and improves a good share
-    of blocks."""
+    of blocks. bt: tokens per writer program."""
     d, n, h = 128, 16, 2
     nb = 3 if device == "cuda" or rule == "4over6" else 2  # search: 4 encodings per block
     gen = _gen(21)
@@ -901,7 +905,7 @@ def test_write_cache_block_scales(device, rule):
     slots = torch.arange(nb * n)
     cache = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8, device=device)
     K.write_cache(cache, k.to(device), v.to(device), slots.to(device), 0.7, 1.3,
-                  block_scales=rule)
+                  block_scales=rule, tokens_per_program=bt)
     refs = {}
     for r in ("amax6", "4over6", rule):
         refs[r] = torch.zeros(kv_cache_shape(nb, n, h, d), dtype=torch.uint8)
