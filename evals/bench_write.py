@@ -96,8 +96,8 @@ def main():
                     ms = bench(t, args.heads, args.head_dim, rule, fused, bt, device)
                     res["rows"].append({"tokens": t, "rule": rule, "fused": fused,
                                         "tokens_per_program": bt, "us": round(ms * 1e3, 2)})
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))  # kept if a later size times out
     plot(res, str(Path(args.out).with_suffix(".png")))
     print(f"{res['run']['device']}: us per write ({args.heads} KV heads, D={args.head_dim})")
     print("| tokens | fused K transforms | tokens per program | "
