@@ -129,8 +129,6 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     h = tl.program_id(1)
     G: tl.constexpr = D // 16
     SIDE_BYTES: tl.constexpr = H * N * (D // 2 + G)
-    tb = tl.program_id(0) * BT + tl.arange(0, BT)
-    tslot = tl.load(slot_ptr + tb, mask=tb < T, other=-1).to(tl.int64)
     r = tl.arange(0, BT * G_PAD)
     t = tl.program_id(0) * BT + r // G_PAD        # each block's token, slot and group
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)
@@ -141,7 +139,9 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     tok = slot % N
     page = cache_ptr + (slot // N) * page_stride
     # K: the tokens' rows of words and of scales
-    if HAS_K_SUB or ROTATE_K:
+    if HAS_K_SUB or ROTATE_K:  # whole rows: per token, not per block
+        tb = tl.program_id(0) * BT + tl.arange(0, BT)
+        tslot = tl.load(slot_ptr + tb, mask=tb < T, other=-1)
         xe, xo = _key_as_cached(key_ptr + tb * stride_kt + h * stride_kh, tslot >= 0,
                                 k_sub_ptr, h, rot_c, rot_on_ptr, D, HAS_K_SUB, ROTATE_K,
                                 ROT_FLAG, LOG2_D)
