@@ -89,13 +89,16 @@ def main():
     res = {"heads": args.heads, "head_dim": args.head_dim, "run": assets.run_info(on_gpu),
            "rows": []}
     for t in args.tokens:
-        bts = sorted({b or tokens_per_program_for(t, args.heads) for b in args.tokens_per_program})
+        bts = sorted({b or tokens_per_program_for(t, args.heads, rule)
+                      for b in args.tokens_per_program for rule in BLOCK_SCALE_RULES})
         for fused in (False, True):
             for bt in bts:
                 for rule in BLOCK_SCALE_RULES:
                     ms = bench(t, args.heads, args.head_dim, rule, fused, bt, device)
                     res["rows"].append({"tokens": t, "rule": rule, "fused": fused,
-                                        "tokens_per_program": bt, "us": round(ms * 1e3, 2)})
+                                        "tokens_per_program": bt, "us": round(ms * 1e3, 2),
+                                        "launcher_default":
+                                            bt == tokens_per_program_for(t, args.heads, rule)})
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))  # kept if a later size times out
     plot(res, str(Path(args.out).with_suffix(".png")))

@@ -55,7 +55,7 @@ def specs() -> dict:
     return {
         "write": (cache_write._write_kernel, write_sig, write_constexprs(), 1),
         # the prefill launch (cache_write.tokens_per_program_for)
-        "write-4-tokens": (cache_write._write_kernel, write_sig, write_constexprs(bt=4), 1),
+        "write-2-tokens": (cache_write._write_kernel, write_sig, write_constexprs(bt=2), 1),
         "write-k-transform": (cache_write._write_kernel, write_sig,
                               write_constexprs(k_sub=True, rotate_k=True), 1),
         "write-k-transform-flag": (cache_write._write_kernel, write_sig,
@@ -109,4 +109,13 @@ def compile_kernel(fn, signature: dict, constexprs: dict, arch: int, num_warps: 
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **launch_options(fn),
                                        **({} if maxnreg is None else {"maxnreg": maxnreg})))
+
+
+def launch_options(fn) -> dict:
+    """Compile options a kernel's launcher passes besides num_warps and num_stages."""
+    from . import cache_write
+    if fn is cache_write._write_kernel:
+        return dict(enable_fp_fusion=cache_write.WRITE_COMPILE_OPTIONS["enable_fp_fusion"])
+    return {}

@@ -13,6 +13,12 @@ from .format import E4M3_MAX_CODE as _E4M3_MAX_CODE
 from .rotation import fwht, hadamard_entry
 
 E4M3_MAX_CODE = tl.constexpr(_E4M3_MAX_CODE)  # a constexpr: jit code reads only those
+# Compiled without fused multiply-add (Triton contracts a*b+c by default): e2m1_round's add
+# must see x * (1/scale) rounded to fp32, as the reference computes it. An fma rounds the exact
+# product instead and settles values whose rounded product is an E2M1 tie by the reciprocal's
+# rounding error, not to the even code: 0.1-1% of bf16 values (an H100 run, 2026-12-06).
+# Costs 3-8% more instructions (sm_90, tokens_per_program 1/2: 1,440 -> 1,488, 988 -> 1,048).
+WRITE_COMPILE_OPTIONS = dict(num_warps=1, enable_fp_fusion=False)
 
 
 @triton.jit
@@ -168,12 +174,13 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     tl.store(base + H * N * (D // 2) + h * (N * G) + gi * N + vs, s, mask=valid)
 
 
-def tokens_per_program_for(tokens: int, kv_heads: int) -> int:
-    """BT for a write of `tokens` x `kv_heads` rows: one token per program while the grid
-    fits one wave of an H100/H200 (132 SMs x 32 one-warp programs; a decode step's write:
-    latency-bound, the shortest program wins), several beyond (prefill: instruction-bound,
-    the fewest instructions per block win)."""
-    return 1 if tokens * kv_heads <= 4096 else 4
+def tokens_per_program_for(tokens: int, kv_heads: int, block_scales: str) -> int:
+    """BT for a write of `tokens` x `kv_heads` rows: one token per program for small writes (a
+    decode step's: latency-bound, the shortest program wins) and for amax6, two beyond for the
+    rules that try several scales (prefill: instruction-bound; two tokens per program cost
+    ~30% fewer instructions per block, four cost fewer still but hold 115 registers a thread,
+    too few warps to hide latency). From evals/results/write_h100_bt.json (H100)."""
+    return 2 if tokens * kv_heads > 4096 and block_scales != "amax6" else 1
 
 
 def _as_scale(x, device) -> torch.Tensor:
@@ -213,7 +220,7 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         assert k_sub is None or (k_sub.shape == (h, d) and k_sub.is_contiguous()
                                  and k_sub.dtype == key.dtype)
     rot_c = hadamard_entry(d, key.dtype) if rotate_k else 1.0
-    bt = tokens_per_program or tokens_per_program_for(t, h)
+    bt = tokens_per_program or tokens_per_program_for(t, h, block_scales)
     _write_kernel[(triton.cdiv(t, bt), h)](
         key, value, kv_cache, slot_mapping,
         _as_scale(k_scale, key.device), _as_scale(v_scale, key.device),
@@ -221,4 +228,4 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
         rot_c, H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // GROUP_SIZE),
         RULE=BLOCK_SCALE_RULES.index(block_scales), HAS_K_SUB=k_sub is not None, ROTATE_K=rotate_k,
-        ROT_FLAG=flag is not None, LOG2_D=d.bit_length() - 1, BT=bt, num_warps=1)
+        ROT_FLAG=flag is not None, LOG2_D=d.bit_length() - 1, BT=bt, **WRITE_COMPILE_OPTIONS)
