@@ -104,6 +104,7 @@ def main():
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "vllm": vllm.__version__,
            "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
+           "layers": json.loads((Path(MODEL) / "config.json").read_text())["num_hidden_layers"],
            "requests": args.requests, "output_tokens": args.output_tokens,
            "max_num_batched_tokens": args.max_num_batched_tokens, "rows": []}
 

@@ -150,6 +150,7 @@ def main():
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "vllm": vllm.__version__,
            "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
+           "layers": json.loads((Path(MODEL) / "config.json").read_text())["num_hidden_layers"],
            "args": vars(args), "rows": []}
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from assets import rows_per_dtype, run_info

@@ -49,6 +49,12 @@ def weight_bytes(cfg: dict, layers: int, vocab: int) -> int:
     return 2 * (layers * (qkv_o + 3 * h * i) + vocab * h)
 
 
+def layers_of(record: dict) -> int:
+    """The measured model's layer count: recorded since 2026-12-06; before, only in the
+    model's description ("Llama-3-8B-shaped, 8 layers, dummy weights")."""
+    return record.get("layers") or int(record["model"].split(" layers")[0].split()[-1])
+
+
 def analyse(sweep: dict, prefill: dict, step: dict, cfg: dict, vocab: int, copy_gbps: float,
             targets: dict) -> dict:
     a = sweep["args"]
@@ -56,9 +62,9 @@ def analyse(sweep: dict, prefill: dict, step: dict, cfg: dict, vocab: int, copy_
     ctx = in_len + out_len / 2  # mean context over the decode
     layers = cfg["num_hidden_layers"]
     p_s = {r["kv_dtype"]: r["inputs"][str(in_len)]["prefill_s"] for r in prefill["rows"]}
-    p_layers = int(prefill["model"].split(" layers")[0].split()[-1])
+    p_layers = layers_of(prefill)
     per_req = {dt: s * layers / p_layers / prefill["requests"] for dt, s in p_s.items()}
-    s_layers = int(step["model"].split(" layers")[0].split()[-1])
+    s_layers = layers_of(step)
     scale = weight_bytes(cfg, layers, vocab) / weight_bytes(cfg, s_layers, vocab)
     non_attn = {}
     for r in step["rows"]:
