@@ -179,7 +179,7 @@ def tokens_per_program_for(tokens: int, kv_heads: int, block_scales: str) -> int
     decode step's: latency-bound, the shortest program wins) and for amax6, two beyond for the
     rules that try several scales (prefill: instruction-bound; two tokens per program cost
     ~30% fewer instructions per block, four cost fewer still but hold 115 registers a thread,
-    too few warps to hide latency). From evals/results/write_h100_bt.json (H100)."""
+    too few warps to hide latency). From evals/results/write_h100_bt_9a4c5eb.json (H100)."""
     return 2 if tokens * kv_heads > 4096 and block_scales != "amax6" else 1
 
 
