@@ -140,7 +140,8 @@ case "${1:?stage}" in
                 --batch 16 --ctx 8192 --out "$OUT/profile_step_${GPU}_fused.json" 2>&1 \
                 | grep -E "^  |us of GPU" ;;
   # a chunked prefill by kernel (TTFT): where NVFP4's workspace path spends its time
-  step-prefill) timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+fp8ws \
+  # STEP_DTYPES="fp8 nvfp4": fewer rows (each an engine start)
+  step-prefill) timeout 560 python3 evals/profile_step.py --dtypes ${STEP_DTYPES:-fp8 nvfp4 nvfp4+fp8ws} \
                 --batch 4 --ctx 32768 --prefill-chunk 8192 \
                 --out "$OUT/profile_prefill_${GPU}.json" 2>&1 | grep -E "^  |ms of GPU" ;;
   capacity) timeout 560 python3 evals/bench_e2e.py --dtypes auto fp8 nvfp4 --inputs 1024 \
