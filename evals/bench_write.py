@@ -2,8 +2,8 @@
 search) costs the fused quantize-and-write kernel, at a decode step's token count (latency:
 one token per sequence) and at prefill sizes (throughput), with and without K centering +
 rotation fused into the writer, and (--tokens-per-program) per writer launch shape
-(cache_write.tokens_per_program_for picks one by default). Median of CUDA-graph replays (bench_decode.time_fn); writes
-JSON and a PNG plot.
+(cache_write.tokens_per_program_for picks one by default). Median of CUDA-graph replays
+(bench_decode.time_fn); writes JSON and a PNG plot.
 
     python evals/bench_write.py --out evals/results/write_h200.json
     python evals/bench_write.py --tokens-per-program 1 2 4 8 --out evals/results/write_bt_h200.json

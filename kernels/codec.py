@@ -105,7 +105,9 @@ def e2m1_round(a):
     the even code, saturating at 6: the value of e2m1_encode's code. fp32's own rounding does
     it: adding and subtracting c = 2**(22 + e), e = clamp(floor(log2 a), 0, 2), rounds to
     multiples of c's ulp, which is E2M1's spacing (0.5 below 2, 1 below 4, 2 above):
-    7 operations where comparing against the 7 thresholds and summing takes about 20."""
+    7 operations where comparing against the 7 thresholds and summing takes about 20.
+    Where a is a product (x * (1/scale)), compile the caller with enable_fp_fusion=False:
+    an fma would round the exact product, not a, and miss ties (cache_write's note)."""
     e = tl.minimum(tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000),
                    0x40800000)
     c = (e + (22 << 23)).to(tl.float32, bitcast=True)
