@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H100/H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|step-prefill|write|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
+#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|step-prefill|calibration|write|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -141,9 +141,14 @@ case "${1:?stage}" in
                 | grep -E "^  |us of GPU" ;;
   # a chunked prefill by kernel (TTFT): where NVFP4's workspace path spends its time
   # STEP_DTYPES="fp8 nvfp4": fewer rows (each an engine start)
+  # PREFILL_CHUNK=2048: the small-chunk case, where every chunk dequantizes its whole prefix
   step-prefill) timeout 560 python3 evals/profile_step.py --dtypes ${STEP_DTYPES:-fp8 nvfp4 nvfp4+fp8ws} \
-                --batch 4 --ctx 32768 --prefill-chunk 8192 \
-                --out "$OUT/profile_prefill_${GPU}.json" 2>&1 | grep -E "^  |ms of GPU" ;;
+                --batch 4 --ctx 32768 --prefill-chunk ${PREFILL_CHUNK:-8192} \
+                --out "$OUT/profile_prefill_${GPU}${PREFILL_CHUNK:+_$PREFILL_CHUNK}.json" 2>&1 \
+                | grep -E "^  |ms of GPU" ;;
+  # online calibration's guard kernels inside a CUDA graph (no vLLM engine)
+  calibration) timeout 200 python3 evals/bench_calibration.py \
+                --out "$OUT/calibration_guard_${GPU}.json" 2>&1 | tail -4 ;;
   capacity) timeout 560 python3 evals/bench_e2e.py --dtypes auto fp8 nvfp4 --inputs 1024 \
                 --requests 1 --output-tokens 2 --gpu-memory-utilization 0.9 \
                 --out "$OUT/capacity_${GPU}.json" 2>&1 | grep -E "^ +(auto|fp8|nvfp4) " ;;
@@ -159,7 +164,7 @@ case "${1:?stage}" in
             cp "$OUT/scales_qwen_${GPU}.json" /tmp/scales_qwen.json ;;
   # with /tmp/scales_qwen.json (stage qwen-scales) the NVFP4 rows use its K centering
   gsm8k)    [ -f /tmp/scales_qwen.json ] && export NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json
-            timeout 580 python3 evals/lm_eval_kv.py --model qwen --dtypes auto fp8 nvfp4 \
+            timeout 580 python3 evals/lm_eval_kv.py --model qwen --dtypes ${GSM8K_DTYPES:-auto fp8 nvfp4} \
                 --out "$OUT/gsm8k_qwen_${GPU}.json" 2>&1 | grep -E "^\||Error" ;;
   # NVFP4 alone with the CPU-made file (BF16/FP8 rows: stage gsm8k, same setup)
   gsm8k-file) NVFP4KV_SCALES_FILE=/tmp/scales_qwen.json timeout 580 python3 evals/lm_eval_kv.py \
