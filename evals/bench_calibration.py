@@ -8,6 +8,7 @@ the one replay that calibrates (flags 0).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 from types import SimpleNamespace
 
@@ -66,7 +67,10 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = [bench(args.layers, b, 8, 128) for b in (1, 64, 512)]
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    import triton
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "rows": rows}
     for r in rows:
         print(json.dumps(r))
     if args.out:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H100/H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|step-prefill|calibration|write|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
+#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|step-prefill|put|calibration|write|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -146,6 +146,11 @@ case "${1:?stage}" in
                 --batch 4 --ctx 32768 --prefill-chunk ${PREFILL_CHUNK:-8192} \
                 --out "$OUT/profile_prefill_${GPU}${PREFILL_CHUNK:+_$PREFILL_CHUNK}.json" 2>&1 \
                 | grep -E "^  |ms of GPU" ;;
+  # the chunk's K/V into the prefill workspace: put_rows against the torch ops it replaced,
+  # and its tests (no vLLM engine)
+  put)      timeout 300 python3 -P -m pytest -q -x tests/test_kernels.py -k "put_rows" 2>&1 | tail -2
+            timeout 200 python3 evals/bench_workspace_put.py \
+                --out "$OUT/workspace_put_${GPU}.json" 2>&1 | tail -11 ;;
   # online calibration's guard kernels inside a CUDA graph (no vLLM engine)
   calibration) timeout 200 python3 evals/bench_calibration.py \
                 --out "$OUT/calibration_guard_${GPU}.json" 2>&1 | tail -4 ;;

@@ -6,7 +6,7 @@ module has its oracle in ``reference``.
 from .cache_write import write_cache
 from .decode import choose_num_splits, decode_attention
 from .format import PageLayout, kv_cache_shape, page_bytes, row_bytes
-from .gather import gather_cache
+from .gather import gather_cache, put_rows
 
-__all__ = ["write_cache", "gather_cache", "decode_attention", "choose_num_splits",
+__all__ = ["write_cache", "gather_cache", "put_rows", "decode_attention", "choose_num_splits",
            "PageLayout", "kv_cache_shape", "page_bytes", "row_bytes"]

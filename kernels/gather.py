@@ -1,13 +1,15 @@
-"""Gather-and-dequantize cached prefixes into a contiguous workspace, one launch for a batch
-(reference: reference.gather_cache)."""
+"""What fills the chunked-prefill workspace: the cached prefixes, gathered and dequantized in one
+launch for a batch (reference: reference.gather_cache), and the chunk's own exact K/V put after
+them in the cache's space (reference: reference.put_rows)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .codec import ROW_FACTOR, load_page_rows
+from .codec import ROW_FACTOR, e4m3_encode, load_page_rows, round_to
 from .format import PageLayout
+from .rotation import fwht, hadamard_entry
 
 
 @triton.jit
@@ -81,4 +83,68 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: t
         float(out_div), block_table.stride(0), kv_cache.stride(0), k_out.stride(0),
         k_out.stride(1), H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // 16),
         BLOCK_T=block_t, USE_ASM=dev.type == "cuda", HAS_OUT_STARTS=out_starts is not None,
+        num_warps=4)
+
+
+@triton.jit
+def _put_rows_kernel(x_ptr, rows_ptr, out_ptr, sub_ptr, mul_ptr, rot_on_ptr, div_ptr, T, big,
+                     rot_c, stride_xt, stride_xh, stride_ot, stride_oh,
+                     D: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_T: tl.constexpr,
+                     HAS_SUB: tl.constexpr, HAS_MUL: tl.constexpr, ROTATE: tl.constexpr,
+                     ROT_FLAG: tl.constexpr, FP8: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    tmask = t < T
+    x = tl.load(x_ptr + (t * stride_xt + h * stride_xh)[:, None] + d[None, :],
+                mask=tmask[:, None], other=0.0)
+    xf = x.to(tl.float32)
+    xf = tl.where(xf == xf, tl.minimum(tl.maximum(xf, -big), big), 0.0)  # finite, exact in x's dtype
+    # each step rounded to x's dtype, as torch computes the same ops in that dtype
+    if HAS_SUB:
+        xf = round_to(xf - tl.load(sub_ptr + h * D + d).to(tl.float32)[None, :], x.dtype).to(
+            tl.float32)
+    if HAS_MUL:
+        xf = round_to(xf * tl.load(mul_ptr + h * D + d).to(tl.float32)[None, :], x.dtype).to(
+            tl.float32)
+    if ROTATE:
+        y = round_to(fwht(xf, D, LOG2_D) * rot_c, x.dtype).to(tl.float32)
+        if ROT_FLAG:  # the per-layer choice, read at run time (x @ I, its alternative, is x)
+            xf = tl.where(tl.load(rot_on_ptr) != 0, y, xf)
+        else:
+            xf = y
+    rows = tl.load(rows_ptr + t, mask=tmask, other=0)
+    dst = out_ptr + (rows * stride_ot + h * stride_oh)[:, None] + d[None, :]
+    if FP8:  # out_ptr: the workspace's bytes; E4M3 by bit arithmetic, saturating (as the
+        # reference's clamp + cast), exact in Triton's interpreter too
+        xf = tl.math.div_rn(xf, tl.load(div_ptr))
+        sign = ((xf.to(tl.int32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+        tl.store(dst, e4m3_encode(tl.abs(xf)) | sign, mask=tmask[:, None])
+    else:
+        tl.store(dst, round_to(xf, out_ptr.dtype.element_ty), mask=tmask[:, None])
+
+
+def put_rows(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+             sub: torch.Tensor | None = None, mul: torch.Tensor | None = None,
+             rotate: bool | torch.Tensor = False, out_div: torch.Tensor | None = None) -> None:
+    """out[rows[t]] = x[t] [T, H, D] made finite, minus sub, times mul ([H, D] each), rotated
+    by the normalised Hadamard matrix (rotate: True, or a device int32 flag read at run time,
+    as the per-layer choice is), each step rounded to x's dtype; out in its dtype
+    (float8_e4m3fn: divided by the device scalar out_div and saturated). One launch replaces
+    the torch sequence reference.put_rows (up to the order of the rotation's fp32 sums).
+    D a power of two; rows int64 [T] on the device."""
+    t, h, d = x.shape
+    if t == 0:
+        return
+    assert x.stride(-1) == 1 and out.stride(-1) == 1 and d & (d - 1) == 0
+    fp8 = out.dtype == torch.float8_e4m3fn
+    flag = rotate if isinstance(rotate, torch.Tensor) else None
+    block_t = max(1, 2048 // d)
+    _put_rows_kernel[(triton.cdiv(t, block_t), h)](
+        x, rows, out.view(torch.uint8) if fp8 else out, sub if sub is not None else x, mul if mul is not None else x,
+        flag if flag is not None else rows, out_div if fp8 else rows, t,
+        torch.finfo(x.dtype).max, hadamard_entry(d, x.dtype), x.stride(0), x.stride(1),
+        out.stride(0), out.stride(1), D=d, LOG2_D=d.bit_length() - 1, BLOCK_T=block_t,
+        HAS_SUB=sub is not None, HAS_MUL=mul is not None,
+        ROTATE=flag is not None or bool(rotate), ROT_FLAG=flag is not None, FP8=fp8,
         num_warps=4)

@@ -260,6 +260,28 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: t
     return torch.cat(ks_out), torch.cat(vs_out)
 
 
+def put_rows(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+             sub: torch.Tensor | None = None, mul: torch.Tensor | None = None,
+             rot: torch.Tensor | None = None, out_div: torch.Tensor | None = None) -> None:
+    """out[rows] = x [T, H, D] made finite (NaN -> 0, +-Inf -> +-max of x's dtype), minus sub,
+    times mul ([H, D] each), times rot ([D, D]), each step in x's dtype as torch computes it;
+    out in its dtype (float8_e4m3fn: x / out_div saturated to +-448). The workspace rows of a
+    chunk's exact K/V as the cache space stores them (vllm_nvfp4kv/cache_space.py)."""
+    big = torch.finfo(x.dtype).max
+    x = torch.nan_to_num(x, nan=0.0, posinf=big, neginf=-big)
+    if sub is not None:
+        x = x - sub
+    if mul is not None:
+        x = x * mul
+    if rot is not None:
+        x = x @ rot
+    if out.dtype == torch.float8_e4m3fn:
+        x = (x.float() / out_div).clamp(-E4M3_MAX, E4M3_MAX).to(out.dtype)
+        out.view(torch.uint8).index_copy_(0, rows, x.view(torch.uint8))
+        return
+    out.index_copy_(0, rows, x.to(out.dtype))
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
               q_positions: torch.Tensor, sliding_window: int | None = None,
               softcap: float = 0.0, sinks: torch.Tensor | None = None,

@@ -15,7 +15,7 @@ from vllm_nvfp4kv.backend import NvFp4AttentionImpl, NvFp4Metadata  # noqa: E402
 from vllm_nvfp4kv.kernels import kv_cache_shape, reference  # noqa: E402
 from vllm_nvfp4kv.kernels.format import DEFAULT_BLOCK_SCALES  # noqa: E402
 from vllm_nvfp4kv.kernels.rotation import rotate  # noqa: E402
-from vllm_nvfp4kv.prefill import plan_prefill  # noqa: E402
+from vllm_nvfp4kv.prefill import plan_prefill, ranges  # noqa: E402
 
 HQ, H, D, N = 4, 2, 64, 16
 # (cached context, tokens this step): two decodes, an extend, an initial prefill
@@ -424,6 +424,55 @@ def test_plan_prefill_rounds_and_window():
                         device=torch.device("cpu"))
     rnd = plan.rounds[0]
     assert rnd.ctx_starts.tolist() == [1000 - 63] and rnd.ws_tokens == 63 + 5
+
+
+@pytest.mark.parametrize("ws_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("rotation", ["chosen-on", "chosen-off", "fixed", "none"])
+def test_put_chunk_kernel_matches_torch(ws_dtype, rotation):
+    """The workspace rows of a chunk's exact K/V: the put_rows kernel branch (what CUDA runs;
+    here in Triton's interpreter) against the torch sequence it replaced, for a cache space
+    with centering and K's rotation (chosen per layer, fixed or none), V rotated where K's
+    rotation is fixed; BF16 and FP8 workspaces. NaN / Inf in the chunk become finite."""
+    from vllm_nvfp4kv.cache_space import CacheSpace
+    from vllm_nvfp4kv.prefill import _put_chunk
+    g = torch.Generator().manual_seed(3)
+    t, h, d = 21, 2, 64
+    k = (torch.randn(t, h, d, generator=g) * 4 + 40).to(torch.bfloat16)
+    v = torch.randn(t, h, d, generator=g).to(torch.bfloat16)
+    k[2, 0, 1], v[3, 1, 2] = float("nan"), float("inf")
+    space = CacheSpace(rotate_k=rotation == "fixed", rotate_v=rotation == "fixed")
+    space.set_center((torch.randn(h, d, generator=g) + 40), torch.bfloat16)
+    if rotation.startswith("chosen"):
+        space.reserve_rotation_choice(d, "cpu", torch.bfloat16)
+        space.choose_rotation(rotation == "chosen-on")
+    rows = torch.randperm(30, generator=g)[:t]
+    div = torch.tensor(0.25) if ws_dtype == torch.float8_e4m3fn else None
+    outs = []
+    for kernel in (True, False):
+        ws_k = torch.zeros(30, h, d, dtype=ws_dtype)
+        ws_v = torch.zeros(30, h, d, dtype=ws_dtype)
+        _put_chunk(k, v, rows, ws_k, ws_v, space, div, div, kernel=kernel)
+        outs.append((ws_k.float(), ws_v.float()))
+    for got, want in zip(*outs):
+        assert torch.isfinite(got).all()
+        if ws_dtype == torch.float8_e4m3fn:  # one E4M3 step where the rotation's sums differ
+            assert (got == want).float().mean() > 0.99
+            torch.testing.assert_close(got, want, rtol=0.13, atol=0.02)
+        else:
+            assert (got == want).float().mean() > 0.99
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=0.05)
+
+
+def test_ranges_concatenates_row_ranges():
+    """The planner's workspace rows (prefill.ranges) against the per-row Python it replaced,
+    empty ranges included."""
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, 10_000, (40,), generator=g)
+    counts = torch.randint(0, 50, (40,), generator=g)
+    counts[::7] = 0
+    expect = [s + i for s, n in zip(starts.tolist(), counts.tolist()) for i in range(n)]
+    assert ranges(starts, counts).tolist() == expect
+    assert ranges(torch.tensor([3]), torch.tensor([0])).numel() == 0
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])

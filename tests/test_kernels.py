@@ -22,6 +22,7 @@ import triton.language as tl
 from vllm_nvfp4kv import kernels as K
 from vllm_nvfp4kv.kernels import codec
 from vllm_nvfp4kv.kernels import reference as R
+from vllm_nvfp4kv.kernels.rotation import hadamard
 from vllm_nvfp4kv.kernels.format import E2M1_THRESHOLDS, E2M1_VALUES, kv_cache_shape, v_slot
 
 E4M3_FINITE = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -509,6 +510,57 @@ def test_gather_fp8_output_with_divisor(device):
     assert (rk.abs() / 8).max() <= 448 and (rv.abs() / 8).max() <= 448
     assert torch.equal(k_out.view(torch.uint8), (rk / 8).to(torch.float8_e4m3fn).view(torch.uint8))
     assert torch.equal(v_out.view(torch.uint8), (rv / 8).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype,d,sub,mul,rot", [
+    (torch.bfloat16, 128, False, False, False), (torch.bfloat16, 128, True, False, True),
+    (torch.bfloat16, 64, True, True, True), (torch.float16, 128, True, False, "flag1"),
+    (torch.bfloat16, 256, True, False, "flag0"), (torch.float32, 32, True, True, False)])
+def test_put_rows_matches_reference(device, dtype, d, sub, mul, rot):
+    """The chunk's exact K/V into workspace rows (random order, rows beyond untouched) as the
+    cache space stores them: NaN / +-Inf made finite, centered, smoothed, rotated (fixed, or a
+    device flag the host never reads), each step rounded to x's dtype like the torch sequence
+    it replaces; equal up to rare last-bit differences from the order of the rotation's sums."""
+    gen = _gen(d + 3)
+    t, h, rows_n = 37, 2, 50
+    x = (torch.randn(t, h, d, generator=gen) * 3).to(dtype)
+    x[3, 0, 5], x[4, 1, 7], x[5, 0, 0] = float("nan"), float("inf"), -float("inf")
+    rows = torch.randperm(rows_n, generator=gen)[:t]
+    s = (torch.randn(h, d, generator=gen) * 50).to(dtype) if sub else None
+    m = (2.0 ** -torch.randint(0, 3, (h, d), generator=gen)).to(dtype) if mul else None
+    flag = torch.tensor([int(rot[-1])], dtype=torch.int32) if isinstance(rot, str) else None
+    on = bool(flag) if flag is not None else rot
+    out = torch.full((rows_n, h, d), 7.0, dtype=dtype, device=device)
+    K.put_rows(x.to(device), rows.to(device), out, None if s is None else s.to(device),
+               None if m is None else m.to(device), rot if flag is None else flag.to(device))
+    ref = torch.full((rows_n, h, d), 7.0, dtype=dtype)
+    R.put_rows(x, rows, ref, s, m, hadamard(d, "cpu", dtype) if on else None)
+    out = out.cpu()  # finite where the reference is (fp16: 65504 + 50 overflows in both, and
+    # the rotation spreads it over the row)
+    assert torch.equal(out.isfinite(), ref.isfinite()) and out.isfinite().float().mean() > 0.98
+    out, ref = out.nan_to_num(), ref.nan_to_num()
+    if on:
+        assert (out == ref).float().mean() > 0.99
+        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    else:
+        assert torch.equal(out, ref)
+
+
+def test_put_rows_fp8_with_divisor(device):
+    """An FP8 workspace: x / out_div rounded to nearest even and saturated to +-448, byte for
+    byte as torch casts (the kernel encodes E4M3 with integer ops): normals, subnormals, ties,
+    -0, values beyond the range."""
+    gen = _gen(9)
+    x = (torch.randn(9, 2, 64, generator=gen) * 30).to(torch.bfloat16)
+    x[0, 0, :8] = torch.tensor([4096.0, -4096.0, -0.0, 0.0, 2 ** -9, 2 ** -8 * 1.5, 17.0, 19.0])
+    rows = torch.tensor([8, 0, 3, 1, 2, 7, 6, 5, 4])
+    div = torch.tensor(2.0)
+    out = torch.zeros(9, 2, 64, dtype=torch.float8_e4m3fn, device=device)
+    K.put_rows(x.to(device), rows.to(device), out, out_div=div.to(device))
+    ref = torch.zeros(9, 2, 64, dtype=torch.float8_e4m3fn)
+    R.put_rows(x, rows, ref, out_div=div)
+    assert torch.equal(out.cpu().view(torch.uint8), ref.view(torch.uint8))
+    assert out.float().abs().max() == 448.0
 
 
 def test_gather_nothing_to_do(device):

@@ -18,7 +18,7 @@ import torch
 
 from vllm_nvfp4kv.dense_attention import dense_attention, merge_lse, to_fp8
 from vllm_nvfp4kv.cache_space import CacheSpace
-from vllm_nvfp4kv.kernels import gather_cache, reference
+from vllm_nvfp4kv.kernels import gather_cache, put_rows, reference
 from vllm_nvfp4kv.workspace import FP8_DIV
 
 
@@ -104,8 +104,17 @@ def plan_prefill(query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, 
     return PrefillPlan(rounds, long, ws_rows)
 
 
+def ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """int64 [sum(counts)]: starts[i] + 0 .. counts[i]-1 for each i, concatenated, in tensor
+    ops (a Python list of one int per row cost ~0.8 ms of host time per 8K-token chunk)."""
+    starts, counts = starts.long(), counts.long()
+    offsets = torch.cumsum(counts, 0) - counts
+    return (torch.repeat_interleave(starts - offsets, counts)
+            + torch.arange(int(counts.sum()), device=counts.device))
+
+
 def _make_round(reqs, device, chunk_from_cache: bool) -> Round:
-    cu_q, cu_k, cu_ctx, starts, dst, chunk_dst = [0], [0], [0], [], [], []
+    cu_q, cu_k, cu_ctx, starts, dst, chunk_dst = [0], [0], [0], [], [], ([], [])
     t_base = reqs[0][1]
     any_ctx = chunk_from_cache or any(n for *_, n in reqs)
     for _, t0, t1, start, n_ctx in reqs:
@@ -120,7 +129,8 @@ def _make_round(reqs, device, chunk_from_cache: bool) -> Round:
                 cu_ctx.append(cu_ctx[-1] + n_ctx + q_len)
             else:
                 cu_ctx.append(cu_ctx[-1] + n_ctx)
-                chunk_dst.extend(range(k0 + n_ctx, k0 + n_ctx + q_len))
+                chunk_dst[0].append(k0 + n_ctx)
+                chunk_dst[1].append(q_len)
         else:
             cu_k.append(k0 + q_len)
     rnd = Round(reqs[0][0], reqs[-1][0] + 1, t_base, reqs[-1][2], _i32(cu_q, device),
@@ -132,9 +142,9 @@ def _make_round(reqs, device, chunk_from_cache: bool) -> Round:
         rnd.cu_ctx, rnd.ctx_starts = _i32(cu_ctx, device), _i32(starts, device)
         rnd.ctx_dst = _i32(dst, device)
         rnd.max_ctx = max(b - a for a, b in zip(cu_ctx, cu_ctx[1:]))
-        if chunk_dst:
-            rnd.chunk_dst = torch.tensor(chunk_dst, dtype=torch.int64).to(device,
-                                                                          non_blocking=True)
+        if chunk_dst[0]:
+            rnd.chunk_dst = ranges(torch.tensor(chunk_dst[0]), torch.tensor(chunk_dst[1])).to(
+                device, non_blocking=True)
     return rnd
 
 
@@ -164,9 +174,7 @@ def gather_into(kv_cache, block_table, cu_ctx, ctx_starts, ctx_dst, ws_k, ws_v, 
                                   k_scale, v_scale)
     if fp8:
         k, v = k / FP8_DIV, v / FP8_DIV
-    counts = (cu_ctx[1:] - cu_ctx[:-1]).long()
-    rows = torch.repeat_interleave(ctx_dst.long(), counts) + (
-        torch.arange(int(counts.sum())) - torch.repeat_interleave(cu_ctx[:-1].long(), counts))
+    rows = ranges(ctx_dst, cu_ctx[1:] - cu_ctx[:-1])
     _put_rows(ws_k, rows, k)
     _put_rows(ws_v, rows, v)
 
@@ -177,6 +185,31 @@ def _put_rows(ws: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
     if ws.dtype == torch.float8_e4m3fn:
         ws, x = ws.view(torch.uint8), x.view(torch.uint8)
     ws.index_copy_(0, rows, x)
+
+
+def _put_chunk(k, v, rows, ws_k, ws_v, space: CacheSpace, k_div, v_div,
+               kernel: bool | None = None) -> None:
+    """The chunk's exact K/V [T, Hkv, D], made finite and taken into the cache's space, into
+    workspace rows (FP8: divided by k_div / v_div). On CUDA (kernel: default k.is_cuda; the
+    tests also run it in Triton's interpreter) one put_rows launch per side does all of it (it
+    replaced nan_to_num, the centering, the rotation GEMM and index_copy: five launches for
+    K); elsewhere, or for a head_dim that is not a power of two, torch."""
+    d = k.shape[-1]
+    if (k.is_cuda if kernel is None else kernel) and d & (d - 1) == 0:
+        rot_k = space.k_rot_on if space.k_rot is not None else space.rotate_k
+        put_rows(k, rows, ws_k, space.k_sub, space.k_mul, rot_k, _scalar(k_div, k))
+        put_rows(v, rows, ws_v, rotate=space.rotate_v, out_div=_scalar(v_div, v))
+        return
+    kc, vc = space.key(_finite(k)), space.value(_finite(v))
+    if k_div is not None:
+        kc, vc = to_fp8(kc, k_div), to_fp8(vc, v_div)
+    _put_rows(ws_k, rows, kc)
+    _put_rows(ws_v, rows, vc)
+
+
+def _scalar(x, like: torch.Tensor) -> torch.Tensor | None:
+    return None if x is None else torch.as_tensor(x, dtype=torch.float32,
+                                                  device=like.device).reshape(1)
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +236,9 @@ def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws
     # The step's exact K/V as the cache stores them (NaN -> 0, +-Inf -> finite): varlen FA
     # reads K/V tiles across sequence boundaries and zeroes the masked scores, so a NaN or
     # Inf V row of one request would turn into 0 * NaN = NaN in its neighbour's output.
-    key, value = _finite(key), _finite(value)
+    # Only for the paths that attend them as they are; _put_chunk does it for the others.
+    if plan.long or any(rnd.ws_tokens == 0 for rnd in plan.rounds):
+        key, value = _finite(key), _finite(value)
     fp8 = ws_k.dtype == torch.float8_e4m3fn
     if fp8:  # what the FP8 workspace values are multiplied by (gather_into)
         k_div, v_div = k_scale * FP8_DIV, v_scale * FP8_DIV
@@ -217,11 +252,8 @@ def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws
                         rnd.ctx_dst, ws_k, ws_v, k_scale, v_scale, rnd.max_ctx, d)
             qs = space.query(qs)
             if rnd.chunk_dst is not None:  # the chunk's exact K/V join the prefix
-                kc, vc = space.key(key[rnd.t0:rnd.t1]), space.value(value[rnd.t0:rnd.t1])
-                if fp8:
-                    kc, vc = to_fp8(kc, k_div), to_fp8(vc, v_div)
-                _put_rows(ws_k, rnd.chunk_dst, kc)
-                _put_rows(ws_v, rnd.chunk_dst, vc)
+                _put_chunk(key[rnd.t0:rnd.t1], value[rnd.t0:rnd.t1], rnd.chunk_dst, ws_k,
+                           ws_v, space, *((k_div, v_div) if fp8 else (None, None)))
             k, v = ws_k[:rnd.ws_tokens], ws_v[:rnd.ws_tokens]
             if fp8:  # FA3 FP8 takes all of Q, K, V in FP8
                 qs, q_div = _fp8_query(qs)
