@@ -463,6 +463,22 @@ def test_put_chunk_kernel_matches_torch(ws_dtype, rotation):
             torch.testing.assert_close(got, want, rtol=1e-2, atol=0.05)
 
 
+def test_rotation_choice_off_skips_the_product():
+    """A layer that chose no rotation of K gives queries and keys back as they are (no x @ I
+    GEMM per call); before the choice and after choosing it, x @ k_rot (H, or I)."""
+    from vllm_nvfp4kv.cache_space import CacheSpace
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 4, 64, generator=g).to(torch.bfloat16)
+    space = CacheSpace(rotate_k=True)
+    space.reserve_rotation_choice(64, "cpu", torch.bfloat16)
+    assert torch.equal(space.query(q), rotate(q))  # undecided: rotated
+    space.choose_rotation(True)
+    assert torch.equal(space.query(q), rotate(q)) and int(space.k_rot_on) == 1
+    space.choose_rotation(False)
+    assert space.query(q) is q and space.key(q) is q and int(space.k_rot_on) == 0
+    assert torch.equal(q @ space.k_rot, q)  # what a graph captured before the choice computes
+
+
 def test_ranges_concatenates_row_ranges():
     """The planner's workspace rows (prefill.ranges) against the per-row Python it replaced,
     empty ranges included."""

@@ -47,6 +47,7 @@ class CacheSpace:
     k_sub: torch.Tensor | None = None  # [Hkv, D] mu: K is cached as (K - mu) * k_mul
     k_mul: torch.Tensor | None = None  # [Hkv, D] 1 / s
     q_mul: torch.Tensor | None = None  # [Hq, D] s of each query head's KV head
+    k_rot_chosen: bool | None = None  # choose_rotation's answer, once given (host side)
 
     def set_center(self, mu: torch.Tensor, dtype: torch.dtype) -> None:
         self.k_sub = mu.to(dtype)
@@ -64,14 +65,16 @@ class CacheSpace:
         self.k_rot_on = torch.ones(1, dtype=torch.int32, device=device)
 
     def choose_rotation(self, on: bool) -> None:
+        self.k_rot_chosen = on
         self.k_rot_on.fill_(int(on))
         self.k_rot.copy_(hadamard(self.k_rot.shape[0], str(self.k_rot.device), self.k_rot.dtype)
                          if on else torch.eye(self.k_rot.shape[0], dtype=self.k_rot.dtype,
                                               device=self.k_rot.device))
 
     def _rotate_k(self, x: torch.Tensor) -> torch.Tensor:
-        if self.k_rot is not None:
-            return x @ self.k_rot
+        if self.k_rot is not None:  # a layer that chose no rotation skips x @ I from then on
+            return x if self.k_rot_chosen is False else x @ self.k_rot  # (graphs captured
+            # before the choice keep their product, which k_rot = I makes the same)
         return rotate(x) if self.rotate_k else x
 
     def unrotated_key(self, k: torch.Tensor) -> torch.Tensor:
