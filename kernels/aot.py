@@ -48,6 +48,11 @@ def specs() -> dict:
                      rot_on_ptr="*i32", T="i32", stride_kt="i32", stride_kh="i32", stride_vt="i32",
                      stride_vh="i32", page_stride="i64", rot_c="fp32")
 
+    put_sig = dict(x_ptr="*bf16", rows_ptr="*i64", out_ptr="*bf16", sub_ptr="*bf16",
+                   mul_ptr="*bf16", rot_on_ptr="*i32", div_ptr="*fp32", T="i32", big="fp32",
+                   rot_c="fp32", stride_xt="i32", stride_xh="i32", stride_ot="i32",
+                   stride_oh="i32")
+
     def write_constexprs(k_sub=False, rotate_k=False, rot_flag=False, bt=1):
         return dict(H=8, N=16, D=128, G_PAD=8, HAS_K_SUB=k_sub, ROTATE_K=rotate_k,
                     ROT_FLAG=rot_flag, LOG2_D=7, BT=bt,
@@ -69,6 +74,13 @@ def specs() -> dict:
                         stride_oh="i32"),
                    dict(H=8, N=16, D=128, G_PAD=8, BLOCK_T=32, USE_ASM=True,
                         HAS_OUT_STARTS=True), 4),
+        # the chunk's K into a BF16 workspace (centered, per-layer rotation), and V into FP8
+        "put-rows": (gather._put_rows_kernel, put_sig,
+                     dict(D=128, LOG2_D=7, BLOCK_T=16, HAS_SUB=True, HAS_MUL=False, ROTATE=True,
+                          ROT_FLAG=True, FP8=False), 4),
+        "put-rows-fp8": (gather._put_rows_kernel, {**put_sig, "out_ptr": P},
+                         dict(D=128, LOG2_D=7, BLOCK_T=16, HAS_SUB=False, HAS_MUL=False,
+                              ROTATE=False, ROT_FLAG=False, FP8=True), 4),
         # the Hopper launch: block-table entries a tile ahead, 4 load stages (STAGES)
         "decode": (decode._decode_kernel, decode_sig,
                    decode_constexprs(features=True, bt_ahead=True), 4),
