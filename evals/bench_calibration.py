@@ -13,6 +13,7 @@ import json
 from types import SimpleNamespace
 
 import torch
+import triton
 
 from vllm_nvfp4kv import calibration as cal
 
@@ -67,7 +68,6 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = [bench(args.layers, b, 8, 128) for b in (1, 64, 512)]
-    import triton
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "rows": rows}

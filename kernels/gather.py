@@ -99,8 +99,9 @@ def _put_rows_kernel(x_ptr, rows_ptr, out_ptr, sub_ptr, mul_ptr, rot_on_ptr, div
     x = tl.load(x_ptr + (t * stride_xt + h * stride_xh)[:, None] + d[None, :],
                 mask=tmask[:, None], other=0.0)
     xf = x.to(tl.float32)
-    xf = tl.where(xf == xf, tl.minimum(tl.maximum(xf, -big), big), 0.0)  # finite, exact in x's dtype
-    # each step rounded to x's dtype, as torch computes the same ops in that dtype
+    # finite (NaN -> 0, +-Inf -> +-big, x's dtype's largest: exact), then each step rounded
+    # to x's dtype, as torch computes the same ops in that dtype
+    xf = tl.where(xf == xf, tl.minimum(tl.maximum(xf, -big), big), 0.0)
     if HAS_SUB:
         xf = round_to(xf - tl.load(sub_ptr + h * D + d).to(tl.float32)[None, :], x.dtype).to(
             tl.float32)
@@ -140,9 +141,11 @@ def put_rows(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
     fp8 = out.dtype == torch.float8_e4m3fn
     flag = rotate if isinstance(rotate, torch.Tensor) else None
     block_t = max(1, 2048 // d)
+    unused = rows  # a pointer for the arguments the constexprs switch off
     _put_rows_kernel[(triton.cdiv(t, block_t), h)](
-        x, rows, out.view(torch.uint8) if fp8 else out, sub if sub is not None else x, mul if mul is not None else x,
-        flag if flag is not None else rows, out_div if fp8 else rows, t,
+        x, rows, out.view(torch.uint8) if fp8 else out, unused if sub is None else sub,
+        unused if mul is None else mul, unused if flag is None else flag,
+        out_div if fp8 else unused, t,
         torch.finfo(x.dtype).max, hadamard_entry(d, x.dtype), x.stride(0), x.stride(1),
         out.stride(0), out.stride(1), D=d, LOG2_D=d.bit_length() - 1, BLOCK_T=block_t,
         HAS_SUB=sub is not None, HAS_MUL=mul is not None,

@@ -72,9 +72,10 @@ class CacheSpace:
                                               device=self.k_rot.device))
 
     def _rotate_k(self, x: torch.Tensor) -> torch.Tensor:
-        if self.k_rot is not None:  # a layer that chose no rotation skips x @ I from then on
-            return x if self.k_rot_chosen is False else x @ self.k_rot  # (graphs captured
-            # before the choice keep their product, which k_rot = I makes the same)
+        if self.k_rot is not None:
+            # a layer that chose no rotation skips x @ I from then on (graphs captured before
+            # the choice keep their product, which k_rot = I makes the same)
+            return x if self.k_rot_chosen is False else x @ self.k_rot
         return rotate(x) if self.rotate_k else x
 
     def unrotated_key(self, k: torch.Tensor) -> torch.Tensor:

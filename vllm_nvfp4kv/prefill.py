@@ -114,7 +114,8 @@ def ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 
 def _make_round(reqs, device, chunk_from_cache: bool) -> Round:
-    cu_q, cu_k, cu_ctx, starts, dst, chunk_dst = [0], [0], [0], [], [], ([], [])
+    cu_q, cu_k, cu_ctx, starts, dst = [0], [0], [0], [], []
+    chunk_rows, chunk_lens = [], []  # where each request's chunk goes in the workspace
     t_base = reqs[0][1]
     any_ctx = chunk_from_cache or any(n for *_, n in reqs)
     for _, t0, t1, start, n_ctx in reqs:
@@ -129,8 +130,8 @@ def _make_round(reqs, device, chunk_from_cache: bool) -> Round:
                 cu_ctx.append(cu_ctx[-1] + n_ctx + q_len)
             else:
                 cu_ctx.append(cu_ctx[-1] + n_ctx)
-                chunk_dst[0].append(k0 + n_ctx)
-                chunk_dst[1].append(q_len)
+                chunk_rows.append(k0 + n_ctx)
+                chunk_lens.append(q_len)
         else:
             cu_k.append(k0 + q_len)
     rnd = Round(reqs[0][0], reqs[-1][0] + 1, t_base, reqs[-1][2], _i32(cu_q, device),
@@ -142,8 +143,8 @@ def _make_round(reqs, device, chunk_from_cache: bool) -> Round:
         rnd.cu_ctx, rnd.ctx_starts = _i32(cu_ctx, device), _i32(starts, device)
         rnd.ctx_dst = _i32(dst, device)
         rnd.max_ctx = max(b - a for a, b in zip(cu_ctx, cu_ctx[1:]))
-        if chunk_dst[0]:
-            rnd.chunk_dst = ranges(torch.tensor(chunk_dst[0]), torch.tensor(chunk_dst[1])).to(
+        if chunk_rows:
+            rnd.chunk_dst = ranges(torch.tensor(chunk_rows), torch.tensor(chunk_lens)).to(
                 device, non_blocking=True)
     return rnd
 
