@@ -199,6 +199,32 @@ def test_mixed_batch_with_k_centering_and_rotation(device):
     torch.testing.assert_close(out, exp, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kw", [dict(rotated=True, center="yes"), dict(smooth="yes"),
+                                dict(fp8_workspace=True)], ids=["rot+center", "smooth", "fp8"])
+def test_mixed_batch_with_put_rows_kernel(device, kw):
+    """The backend's forward with the chunk's K/V put into the workspace by the put_rows
+    kernel, as on CUDA (on a CPU in Triton's interpreter): the same expectation as the torch
+    path's (what CUDA runs is otherwise only kernel-tested on a CPU)."""
+    from vllm_nvfp4kv import prefill
+    g = torch.Generator().manual_seed(8)
+    if kw.get("center"):
+        kw["center"] = torch.randn(H, D, generator=g) * 4
+    if kw.get("smooth"):
+        kw["smooth"] = torch.ones(H, D)
+        kw["smooth"][0, [3, 3 + D // 2]] = 64.0
+    put = prefill._put_chunk
+    calls = []
+
+    def put_with_kernel(*a, **k):
+        calls.append(1)
+        return put(*a, **{**k, "kernel": True})
+    with mock.patch.object(prefill, "_put_chunk", put_with_kernel):
+        out, exp, md = _run(device, 4096, **kw)
+    assert calls and md.prefill.rounds[0].chunk_dst is not None
+    tol = 6e-2 if device == "cuda" and kw.get("fp8_workspace") else 2e-2
+    torch.testing.assert_close(out, exp, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("capacity", [4096, 24], ids=["one-round", "pieces-and-rounds"])
 @pytest.mark.parametrize("centered", [False, True], ids=["smooth", "center+smooth"])
 def test_mixed_batch_with_k_smoothing(device, capacity, centered):
