@@ -454,39 +454,37 @@ def test_plan_prefill_rounds_and_window():
 
 @pytest.mark.parametrize("ws_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("rotation", ["chosen-on", "chosen-off", "fixed", "none"])
-def test_put_chunk_kernel_matches_torch(ws_dtype, rotation):
+def test_put_chunk_kernel_matches_torch(device, ws_dtype, rotation):
     """The workspace rows of a chunk's exact K/V: the put_rows kernel branch (what CUDA runs;
-    here in Triton's interpreter) against the torch sequence it replaced, for a cache space
+    on a CPU in Triton's interpreter) against the torch sequence it replaced, for a cache space
     with centering and K's rotation (chosen per layer, fixed or none), V rotated where K's
     rotation is fixed; BF16 and FP8 workspaces. NaN / Inf in the chunk become finite."""
     from vllm_nvfp4kv.cache_space import CacheSpace
     from vllm_nvfp4kv.prefill import _put_chunk
     g = torch.Generator().manual_seed(3)
     t, h, d = 21, 2, 64
-    k = (torch.randn(t, h, d, generator=g) * 4 + 40).to(torch.bfloat16)
-    v = torch.randn(t, h, d, generator=g).to(torch.bfloat16)
+    k = (torch.randn(t, h, d, generator=g) * 4 + 40).to(torch.bfloat16).to(device)
+    v = torch.randn(t, h, d, generator=g).to(torch.bfloat16).to(device)
     k[2, 0, 1], v[3, 1, 2] = float("nan"), float("inf")
     space = CacheSpace(rotate_k=rotation == "fixed", rotate_v=rotation == "fixed")
-    space.set_center((torch.randn(h, d, generator=g) + 40), torch.bfloat16)
+    space.set_center((torch.randn(h, d, generator=g) + 40).to(device), torch.bfloat16)
     if rotation.startswith("chosen"):
-        space.reserve_rotation_choice(d, "cpu", torch.bfloat16)
+        space.reserve_rotation_choice(d, device, torch.bfloat16)
         space.choose_rotation(rotation == "chosen-on")
-    rows = torch.randperm(30, generator=g)[:t]
-    div = torch.tensor(0.25) if ws_dtype == torch.float8_e4m3fn else None
+    rows = torch.randperm(30, generator=g)[:t].to(device)
+    fp8 = ws_dtype == torch.float8_e4m3fn
+    div = torch.tensor(0.25, device=device) if fp8 else None
     outs = []
     for kernel in (True, False):
-        ws_k = torch.zeros(30, h, d, dtype=ws_dtype)
-        ws_v = torch.zeros(30, h, d, dtype=ws_dtype)
+        ws_k = torch.zeros(30, h, d, dtype=ws_dtype, device=device)
+        ws_v = torch.zeros_like(ws_k)
         _put_chunk(k, v, rows, ws_k, ws_v, space, div, div, kernel=kernel)
         outs.append((ws_k.float(), ws_v.float()))
+    # up to one last bit (FP8: one E4M3 step) where the rotation's sums differ in order
+    tol = dict(rtol=0.13, atol=0.02) if fp8 else dict(rtol=1e-2, atol=0.05)
     for got, want in zip(*outs):
-        assert torch.isfinite(got).all()
-        if ws_dtype == torch.float8_e4m3fn:  # one E4M3 step where the rotation's sums differ
-            assert (got == want).float().mean() > 0.99
-            torch.testing.assert_close(got, want, rtol=0.13, atol=0.02)
-        else:
-            assert (got == want).float().mean() > 0.99
-            torch.testing.assert_close(got, want, rtol=1e-2, atol=0.05)
+        assert torch.isfinite(got).all() and (got == want).float().mean() > 0.99
+        torch.testing.assert_close(got, want, **tol)
 
 
 def test_rotation_choice_off_skips_the_product():
