@@ -31,6 +31,19 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
 
 
+def results_header(**fields) -> dict:
+    """How a result of the dummy-weight engine runs (this script, profile_step.py) begins:
+    date, GPU, versions, the model and its layer count, then fields, then the rows."""
+    import torch
+    import vllm
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "vllm": vllm.__version__, "torch": torch.__version__,
+            "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
+            "layers": json.loads((Path(MODEL) / "config.json").read_text())["num_hidden_layers"],
+            **fields, "rows": []}
+
+
 # variant suffixes of nvfp4 -> the plugin's environment (read when the engine starts)
 OPTIONS = {"fp8ws": ("NVFP4KV_WORKSPACE_DTYPE", "fp8"),  # FP8 prefill workspace
            "norot": ("NVFP4KV_ROTATE_K", "0"),           # no Hadamard rotation of K
@@ -99,14 +112,8 @@ def main():
                     help="token budget per step (small: long prompts prefill in chunks)")
     args = ap.parse_args()
     import torch
-    import vllm
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "vllm": vllm.__version__,
-           "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
-           "layers": json.loads((Path(MODEL) / "config.json").read_text())["num_hidden_layers"],
-           "requests": args.requests, "output_tokens": args.output_tokens,
-           "max_num_batched_tokens": args.max_num_batched_tokens, "rows": []}
+    res = results_header(requests=args.requests, output_tokens=args.output_tokens,
+                         max_num_batched_tokens=args.max_num_batched_tokens)
 
     def measure(dt):
         try:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import gc
 import json
 import os
@@ -144,16 +143,11 @@ def main():
                     help="profile the prefill in chunks of this many tokens instead")
     ap.add_argument("--out", default="evals/results/profile_step.json")
     args = ap.parse_args()
-    import torch
-    import vllm
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "vllm": vllm.__version__,
-           "torch": torch.__version__, "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
-           "layers": json.loads((Path(MODEL) / "config.json").read_text())["num_hidden_layers"],
-           "args": vars(args), "rows": []}
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from assets import rows_per_dtype, run_info
+    from bench_e2e import results_header
+    import torch
+    res = results_header(args=vars(args))
     res["run"] = run_info(on_gpu=torch.cuda.is_available())
     if args.prefill_chunk:
         res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: profile_prefill(
