@@ -4,8 +4,10 @@ sequence it replaced (nan_to_num, K - mu, the rotation GEMM, index_copy; still t
 Llama-3-8B KV heads (8 x 128), BF16 chunk; BF16 or FP8 workspace; K centered and rotated as
 the defaults do on a model with K outlier channels, or not transformed. Median of CUDA-graph
 replays (bench_decode.time_fn: launch overhead, which the kernel also cuts, is not counted).
+Writes JSON and a PNG plot.
 
     python evals/bench_workspace_put.py --out evals/results/workspace_put_h100.json
+    python evals/bench_workspace_put.py --plot-only --out evals/results/workspace_put_h200.json
 """
 from __future__ import annotations
 
@@ -48,11 +50,40 @@ def bench(tokens: int, heads: int, d: int, transforms: bool, ws_dtype, device) -
             "put_rows_GBps": round(bytes_moved / us["put_rows"] / 1e3, 1)}
 
 
+def plot(res: dict, png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["rows"]
+    labels = [f"{r['tokens']} tok, {r['workspace']}" + (", K centered+rotated"
+                                                         if r["transforms"] else "")
+              for r in rows]
+    y = range(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    ax.barh([i - 0.2 for i in y], [r["us_torch"] for r in rows], 0.4, label="torch ops (before)",
+            color="tab:gray")
+    ax.barh([i + 0.2 for i in y], [r["us_put_rows"] for r in rows], 0.4, label="put_rows",
+            color="tab:green")
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("us per chunk (K and V), CUDA-graph median")
+    ax.legend(fontsize=8)
+    ax.set_title(f"Chunk K/V into the prefill workspace ({res['kv_heads']} x "
+                 f"{res['head_dim']}), {res['run']['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--out", default="evals/results/workspace_put.json")
+    ap.add_argument("--plot-only", action="store_true", help="re-plot --out, exit")
     args = ap.parse_args()
+    png = str(Path(args.out).with_suffix(".png"))
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), png)
+        return
     device = torch.device("cuda")
     res = {"kv_heads": 8, "head_dim": 128, "run": assets.run_info(True), "rows": []}
     for t in args.tokens:
@@ -61,6 +92,7 @@ def main():
                 res["rows"].append(bench(t, 8, 128, transforms, ws, device))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
+    plot(res, png)
     print(f"{res['run']['device']}: us per chunk put (K and V), 8 KV heads x 128")
     print("| tokens | K centered + rotated | workspace | torch | put_rows | speed-up | GB/s |")
     print("|---:|---|---|---:|---:|---:|---:|")
