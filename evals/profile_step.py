@@ -12,9 +12,10 @@ decode throughput a server sees at this batch).
 
 With --prefill-chunk N it profiles the prefill instead: `batch` prompts of `ctx` tokens
 prefilled in chunks of N tokens per step (max_num_batched_tokens), the GPU time of the whole
-prefill by kernel, and its wall time. Answers "where does NVFP4's longer chunked prefill
-(TTFT) go": the workspace gather of each chunk's cached prefix, attention over it, the
-writer. Variants as evals/bench_e2e.py's (nvfp4+fp8ws: the FP8 workspace):
+prefill by kernel, its wall time (profiled, and again unprofiled), and where the GPU sat
+idle between kernels (gpu_gaps: host time it could not hide, by the kernels around each
+gap). Answers "where does NVFP4's longer chunked prefill (TTFT) go": the workspace gather of
+each chunk's cached prefix, attention over it, the writer, host time. Variants as evals/bench_e2e.py's (nvfp4+fp8ws: the FP8 workspace):
 
     python evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+fp8ws --batch 4 --ctx 32768 \\
         --prefill-chunk 8192 --out evals/results/profile_prefill_h200.json
@@ -58,6 +59,35 @@ def _kernels(prof, per: float, top: int, key: str = "us_per_step") -> tuple[floa
                    for k, v in acc.most_common(top)]
 
 
+def gpu_gaps(kernels: list[tuple[float, float, str]], top: int) -> dict:
+    """Where the GPU waits: kernels [(start_us, end_us, name)] (any streams; overlaps count
+    once) -> the span from the first start to the last end, the idle time inside it, and
+    the largest idle totals by (kernel before, kernel after) with how often each occurred.
+    Idle time between kernels is host time the GPU could not hide (launches, planning,
+    synchronisation)."""
+    if not kernels:
+        return {"span_us": 0.0, "idle_us": 0.0, "top_gaps": []}
+    ks = sorted(kernels)
+    first, end, before = ks[0][0], ks[0][1], ks[0][2]
+    idle, total, count = 0.0, collections.Counter(), collections.Counter()
+    for start, stop, name in ks[1:]:
+        if start > end:
+            idle += start - end
+            total[(before, name)] += start - end
+            count[(before, name)] += 1
+        if stop > end:
+            end, before = stop, name
+    return {"span_us": round(end - first, 1), "idle_us": round(idle, 1),
+            "top_gaps": [{"before": a[:60], "after": b[:60], "us": round(v, 1),
+                          "count": count[(a, b)]} for (a, b), v in total.most_common(top)]}
+
+
+def _kernel_spans(prof) -> list[tuple[float, float, str]]:
+    import torch
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def profile_prefill(variant: str, batch: int, ctx: int, chunk: int, top: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity
@@ -78,11 +108,19 @@ def profile_prefill(variant: str, batch: int, ctx: int, chunk: int, top: int) ->
         sync()
     wall_s = time.perf_counter() - t0
     total, rows = _kernels(prof, 1.0, top, key="us")
+    gaps = gpu_gaps(_kernel_spans(prof), top)
+    t0 = time.perf_counter()  # the same prefill again, unprofiled (no prefix caching)
+    llm.generate(prompts[1:], sp, use_tqdm=False)
+    sync()
+    wall_unprofiled_s = time.perf_counter() - t0
     del llm
     gc.collect()
     torch.cuda.empty_cache()
     return {"kv_dtype": variant, "gpu_us_prefill": round(total, 1),
-            "wall_s_prefill": round(wall_s, 3), "top": rows}
+            "wall_s_prefill": round(wall_s, 3),
+            "wall_s_prefill_unprofiled": round(wall_unprofiled_s, 3),
+            "gpu_idle_us": gaps["idle_us"], "gpu_span_us": gaps["span_us"],
+            "top_gaps": gaps["top_gaps"], "top": rows}
 
 
 def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
@@ -164,7 +202,12 @@ def main():
         if args.prefill_chunk:
             print(f"\n{r['kv_dtype']}: {r['gpu_us_prefill'] / 1e3:.1f} ms of GPU time, "
                   f"{r['wall_s_prefill']:.3f} s wall to prefill {args.batch} x {args.ctx} tokens "
-                  f"in chunks of {args.prefill_chunk} (8 layers)")
+                  f"in chunks of {args.prefill_chunk} (8 layers); unprofiled "
+                  f"{r['wall_s_prefill_unprofiled']:.3f} s; GPU idle "
+                  f"{r['gpu_idle_us'] / 1e3:.1f} ms of its {r['gpu_span_us'] / 1e3:.1f} ms span")
+            for gp in r["top_gaps"][:5]:
+                print(f"  idle {gp['us']:>8.1f} us x{gp['count']:<4} {gp['before'][:40]} -> "
+                      f"{gp['after'][:40]}")
         else:
             print(f"\n{r['kv_dtype']}: {r['gpu_us_per_decode_step']:.0f} us of GPU time per "
                   f"decode step, {r['wall_us_per_decode_step']:.0f} us wall (batch "

@@ -173,3 +173,19 @@ def test_bench_write_toy_runs_every_rule(tmp_path):
         (rule, fused) for fused in (False, True) for rule in BLOCK_SCALE_RULES]
     assert all(r["us"] > 0 for r in res["rows"]) and res["run"]["device"].startswith("CPU")
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_gpu_gaps_sums_idle_time_between_kernels():
+    """profile_step.gpu_gaps: idle time inside the kernels' span, overlapping kernels (other
+    streams) counted once, gaps summed by the kernels around them."""
+    with mock.patch.dict(os.environ):  # the script sets an engine variable when imported
+        import profile_step
+    ks = [(0, 10, "gemm"), (12, 20, "attn"), (15, 30, "write"),  # overlap: no gap at 15
+          (35, 40, "gemm"), (42, 50, "attn"), (60, 61, "gemm")]
+    g = profile_step.gpu_gaps(ks, top=5)
+    assert g["span_us"] == 61 and g["idle_us"] == 2 + 5 + 2 + 10
+    gaps = {(x["before"], x["after"]): (x["us"], x["count"]) for x in g["top_gaps"]}
+    assert gaps == {("gemm", "attn"): (4, 2), ("write", "gemm"): (5, 1),
+                    ("attn", "gemm"): (10, 1)}
+    assert g["top_gaps"][0]["before"] == "attn"  # largest first
+    assert profile_step.gpu_gaps([], 3) == {"span_us": 0.0, "idle_us": 0.0, "top_gaps": []}
