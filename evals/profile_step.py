@@ -5,7 +5,8 @@ torch.profiler; prints the kernels that take the most
 GPU time per step, grouped by name, for each dtype. Answers "the attention kernel is x% of a
 step and what else the NVFP4 path adds" (the writer, the split-KV reduce, ...). Before the
 profiled steps, as many pure decode steps are timed by wall clock (host work included: the
-decode throughput a server sees at this batch).
+decode throughput a server sees at this batch); the GPU's idle time between kernels is
+recorded too (gpu_gaps).
 
     python evals/profile_step.py --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \\
         --out evals/results/profile_step_h200.json
@@ -162,11 +163,14 @@ def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     total, rows = _kernels(prof, steps, top)
+    gaps = gpu_gaps(_kernel_spans(prof), top)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
     return {"kv_dtype": kv_dtype, "gpu_us_per_decode_step": round(total, 1),
-            "wall_us_per_decode_step": round(wall_us, 1), "top": rows}
+            "wall_us_per_decode_step": round(wall_us, 1),
+            "gpu_idle_us_per_decode_step": round(gaps["idle_us"] / steps, 1),
+            "top_gaps": gaps["top_gaps"], "top": rows}
 
 
 def main():
@@ -211,7 +215,8 @@ def main():
         else:
             print(f"\n{r['kv_dtype']}: {r['gpu_us_per_decode_step']:.0f} us of GPU time per "
                   f"decode step, {r['wall_us_per_decode_step']:.0f} us wall (batch "
-                  f"{args.batch}, context {args.ctx}, 8 layers)")
+                  f"{args.batch}, context {args.ctx}, 8 layers); GPU idle "
+                  f"{r['gpu_idle_us_per_decode_step']:.0f} us per step under the profiler")
         for k in r["top"]:
             us = k.get("us_per_step", k.get("us"))
             print(f"  {us:>8.1f} us {100 * k['share']:>5.1f}%  {k['kernel']}")
