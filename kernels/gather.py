@@ -97,7 +97,7 @@ def _put_rows_kernel(x_ptr, rows_ptr, out_ptr, sub_ptr, mul_ptr, rot_on_ptr, div
     d = tl.arange(0, D)
     tmask = t < T
     x = tl.load(x_ptr + (t.to(tl.int64) * stride_xt + h * stride_xh)[:, None] + d[None, :],
-                mask=tmask[:, None], other=0.0)  # int64: tokens x qkv's row stride > 2**31
+                mask=tmask[:, None], other=0.0)  # int64: tokens x qkv's row stride can pass 2**31
     xf = x.to(tl.float32)
     # finite (NaN -> 0, +-Inf -> +-big, x's dtype's largest: exact), then each step rounded
     # to x's dtype, as torch computes the same ops in that dtype
