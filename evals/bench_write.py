@@ -8,6 +8,7 @@ rotation fused into the writer, and (--tokens-per-program) per writer launch sha
     python evals/bench_write.py --out evals/results/write_h200.json
     python evals/bench_write.py --tokens-per-program 1 2 4 8 --out evals/results/write_bt_h200.json
     python evals/bench_write.py --toy        # CPU, Triton interpreter, one tiny shape
+    python evals/bench_write.py --tokens 8192 --engine-layout   # K/V as a prefill passes them
 """
 from __future__ import annotations
 
@@ -31,15 +32,25 @@ from vllm_nvfp4kv.kernels.cache_write import tokens_per_program_for  # noqa: E40
 from vllm_nvfp4kv.kernels.format import BLOCK_SCALE_RULES  # noqa: E402
 
 
-def bench(tokens: int, heads: int, d: int, rule: str, fused: bool, bt: int, device) -> float:
-    """ms per write of `tokens` tokens x `heads` KV heads into random slots of a page pool."""
+def bench(tokens: int, heads: int, d: int, rule: str, fused: bool, bt: int, device,
+          engine_layout: bool = False) -> float:
+    """ms per write of `tokens` tokens x `heads` KV heads into random slots of a page pool.
+    engine_layout: K and V as vLLM hands them to the writer in a prefill, views into one
+    [tokens, (32 + 2 * heads) * d] qkv output (Llama-3-8B: 32 query heads), into consecutive
+    slots (one sequence's pages in order)."""
     n = 16
     g = torch.Generator(device="cpu").manual_seed(tokens)
     nb = tokens // n + 1
     cache = torch.zeros(kv_cache_shape(nb, n, heads, d), dtype=torch.uint8, device=device)
-    key = torch.randn(tokens, heads, d, generator=g).to(device, torch.bfloat16)
-    value = torch.randn(tokens, heads, d, generator=g).to(device, torch.bfloat16)
-    slots = torch.randperm(nb * n, generator=g)[:tokens].to(device)
+    if engine_layout:
+        qkv = torch.randn(tokens, (32 + 2 * heads) * d, generator=g).to(device, torch.bfloat16)
+        key = qkv[:, 32 * d:(32 + heads) * d].view(tokens, heads, d)
+        value = qkv[:, (32 + heads) * d:].view(tokens, heads, d)
+        slots = torch.arange(tokens, device=device)
+    else:
+        key = torch.randn(tokens, heads, d, generator=g).to(device, torch.bfloat16)
+        value = torch.randn(tokens, heads, d, generator=g).to(device, torch.bfloat16)
+        slots = torch.randperm(nb * n, generator=g)[:tokens].to(device)
     extra = {}
     if fused:  # K - mu and the rotation (behind the per-layer flag) inside the writer
         extra = dict(k_sub=torch.zeros(heads, d, dtype=torch.bfloat16, device=device),
@@ -79,6 +90,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--tokens-per-program", type=int, nargs="+", default=[0],
                     help="writer launch shapes to time (0: the launcher's choice)")
+    ap.add_argument("--engine-layout", action="store_true",
+                    help="K/V as views of a qkv output, consecutive slots (as in a prefill)")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter, one tiny shape")
     ap.add_argument("--out", default="evals/results/write.json")
     args = ap.parse_args()
@@ -86,15 +99,16 @@ def main():
     device = torch.device("cuda" if on_gpu else "cpu")
     if args.toy:
         args.tokens, args.heads = [2], 1
-    res = {"heads": args.heads, "head_dim": args.head_dim, "run": assets.run_info(on_gpu),
-           "rows": []}
+    res = {"heads": args.heads, "head_dim": args.head_dim, "engine_layout": args.engine_layout,
+           "run": assets.run_info(on_gpu), "rows": []}
     for t in args.tokens:
         bts = sorted({b or tokens_per_program_for(t, args.heads, rule)
                       for b in args.tokens_per_program for rule in BLOCK_SCALE_RULES})
         for fused in (False, True):
             for bt in bts:
                 for rule in BLOCK_SCALE_RULES:
-                    ms = bench(t, args.heads, args.head_dim, rule, fused, bt, device)
+                    ms = bench(t, args.heads, args.head_dim, rule, fused, bt, device,
+                               args.engine_layout)
                     res["rows"].append({"tokens": t, "rule": rule, "fused": fused,
                                         "tokens_per_program": bt, "us": round(ms * 1e3, 2),
                                         "launcher_default":

@@ -70,9 +70,11 @@ case "${1:?stage}" in
   # the cache writer per block-scale rule (amax6 / 4over6 / search), decode and prefill sizes;
   # WRITE_BT="1 2 4 8": also per launch shape (tokens per program; 0: the launcher's choice)
   # WRITE_TOKENS="16 512 8192": other write sizes (default 16 64 2048 32768)
-  write)    timeout 300 python3 evals/bench_write.py --out "$OUT/write_${GPU}${WRITE_BT:+_bt}.json" \
-                ${WRITE_BT:+--tokens-per-program $WRITE_BT} ${WRITE_TOKENS:+--tokens $WRITE_TOKENS} 2>&1 \
-                | quiet | tail -60 ;;
+  # WRITE_ENGINE_LAYOUT=1: K/V as a prefill hands them over (why the in-engine write is slower)
+  write)    timeout 300 python3 evals/bench_write.py \
+                --out "$OUT/write_${GPU}${WRITE_BT:+_bt}${WRITE_ENGINE_LAYOUT:+_engine_layout}.json" \
+                ${WRITE_BT:+--tokens-per-program $WRITE_BT} ${WRITE_TOKENS:+--tokens $WRITE_TOKENS} \
+                ${WRITE_ENGINE_LAYOUT:+--engine-layout} 2>&1 | quiet | tail -60 ;;
   decode)   timeout 560 python3 evals/bench_decode.py --budget-s 240 --int4-max-tokens 0 --ctx 4096 16384 32768 131072 524288 1048576 \
                 ${SWEEP_VARIANT:+--variant $SWEEP_VARIANT} \
                 --out "$OUT/decode_${GPU}${SWEEP_VARIANT:+_$SWEEP_VARIANT}.json" 2>&1 | quiet | tail -40 ;;
