@@ -184,7 +184,9 @@ def tokens_per_program_for(tokens: int, kv_heads: int, block_scales: str) -> int
     return 2 if tokens * kv_heads > 4096 and block_scales != "amax6" else 1
 
 
-def _as_scale(x, device) -> torch.Tensor:
+def device_scalar(x, device) -> torch.Tensor:
+    """A scalar kernel argument (global scale, divisor: float or tensor) as the 1-element fp32
+    device tensor the kernels load; no copy where it already is one (CUDA-graph safe)."""
     return torch.as_tensor(x, dtype=torch.float32, device=device).reshape(1)
 
 
@@ -224,7 +226,7 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     bt = tokens_per_program or tokens_per_program_for(t, h, block_scales)
     _write_kernel[(triton.cdiv(t, bt), h)](
         key, value, kv_cache, slot_mapping,
-        _as_scale(k_scale, key.device), _as_scale(v_scale, key.device),
+        device_scalar(k_scale, key.device), device_scalar(v_scale, key.device),
         key if k_sub is None else k_sub, slot_mapping if flag is None else flag, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), kv_cache.stride(0),
         rot_c, H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // GROUP_SIZE),

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .codec import (ROW_FACTOR, load_page_rows, load_tile_mma, load_vt_mma, mma_col_to_d,
                     vt_row_to_d)
+from .cache_write import device_scalar
 from .format import PageLayout
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -337,8 +338,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     bt_ahead = mma_v and block_n <= 128 if bt_ahead is None else bt_ahead
     if num_stages is None:
         num_stages = 4 if bt_ahead else 2
-    k_scale = torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1)
-    v_scale = torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1)
+    k_scale, v_scale = device_scalar(k_scale, dev), device_scalar(v_scale, dev)
     # the split count is a runtime argument (S_PAD covers up to 64): an eager mixed batch
     # with any number of decodes reuses the compiled kernels instead of compiling new ones
     if num_splits > 1:

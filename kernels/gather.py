@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .cache_write import device_scalar
 from .codec import ROW_FACTOR, e4m3_encode, load_page_rows, round_to
 from .format import PageLayout
 from .rotation import fwht, hadamard_entry
@@ -78,8 +79,7 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: t
     _gather_kernel[grid](
         kv_cache, block_table, cu_tokens, seq_starts,
         out_starts if out_starts is not None else cu_tokens, k_out, v_out,
-        torch.as_tensor(k_scale, dtype=torch.float32, device=dev).reshape(1),
-        torch.as_tensor(v_scale, dtype=torch.float32, device=dev).reshape(1),
+        device_scalar(k_scale, dev), device_scalar(v_scale, dev),
         float(out_div), block_table.stride(0), kv_cache.stride(0), k_out.stride(0),
         k_out.stride(1), H=h, N=n, D=d, G_PAD=triton.next_power_of_2(d // 16),
         BLOCK_T=block_t, USE_ASM=dev.type == "cuda", HAS_OUT_STARTS=out_starts is not None,
@@ -127,11 +127,11 @@ def _put_rows_kernel(x_ptr, rows_ptr, out_ptr, sub_ptr, mul_ptr, rot_on_ptr, div
 
 def put_rows(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
              sub: torch.Tensor | None = None, mul: torch.Tensor | None = None,
-             rotate: bool | torch.Tensor = False, out_div: torch.Tensor | None = None) -> None:
+             rotate: bool | torch.Tensor = False, out_div=None) -> None:
     """out[rows[t]] = x[t] [T, H, D] made finite, minus sub, times mul ([H, D] each), rotated
     by the normalised Hadamard matrix (rotate: True, or a device int32 flag read at run time,
     as the per-layer choice is), each step rounded to x's dtype; out in its dtype
-    (float8_e4m3fn: divided by the device scalar out_div and saturated). One launch replaces
+    (float8_e4m3fn: divided by out_div, a float or 1-element tensor, and saturated). One launch replaces
     the torch sequence reference.put_rows (up to the order of the rotation's fp32 sums).
     D a power of two; rows int64 [T] on the device."""
     t, h, d = x.shape
@@ -145,7 +145,7 @@ def put_rows(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
     _put_rows_kernel[(triton.cdiv(t, block_t), h)](
         x, rows, out.view(torch.uint8) if fp8 else out, unused if sub is None else sub,
         unused if mul is None else mul, unused if flag is None else flag,
-        out_div if fp8 else unused, t,
+        device_scalar(out_div, x.device) if fp8 else unused, t,
         torch.finfo(x.dtype).max, hadamard_entry(d, x.dtype), x.stride(0), x.stride(1),
         out.stride(0), out.stride(1), D=d, LOG2_D=d.bit_length() - 1, BLOCK_T=block_t,
         HAS_SUB=sub is not None, HAS_MUL=mul is not None,

@@ -176,11 +176,11 @@ def gather_into(kv_cache, block_table, cu_ctx, ctx_starts, ctx_dst, ws_k, ws_v, 
     if fp8:
         k, v = k / FP8_DIV, v / FP8_DIV
     rows = ranges(ctx_dst, cu_ctx[1:] - cu_ctx[:-1])
-    _put_rows(ws_k, rows, k)
-    _put_rows(ws_v, rows, v)
+    _copy_rows(ws_k, rows, k)
+    _copy_rows(ws_v, rows, v)
 
 
-def _put_rows(ws: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+def _copy_rows(ws: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
     """ws[rows] = x in ws's dtype (FP8 through a byte view: no CPU index_copy_ for FP8)."""
     x = x.to(ws.dtype)
     if ws.dtype == torch.float8_e4m3fn:
@@ -198,19 +198,14 @@ def _put_chunk(k, v, rows, ws_k, ws_v, space: CacheSpace, k_div, v_div,
     d = k.shape[-1]
     if (k.is_cuda if kernel is None else kernel) and d & (d - 1) == 0:
         rot_k = space.k_rot_on if space.k_rot is not None else space.rotate_k
-        put_rows(k, rows, ws_k, space.k_sub, space.k_mul, rot_k, _scalar(k_div, k))
-        put_rows(v, rows, ws_v, rotate=space.rotate_v, out_div=_scalar(v_div, v))
+        put_rows(k, rows, ws_k, space.k_sub, space.k_mul, rot_k, k_div)
+        put_rows(v, rows, ws_v, rotate=space.rotate_v, out_div=v_div)
         return
     kc, vc = space.key(_finite(k)), space.value(_finite(v))
     if k_div is not None:
         kc, vc = to_fp8(kc, k_div), to_fp8(vc, v_div)
-    _put_rows(ws_k, rows, kc)
-    _put_rows(ws_v, rows, vc)
-
-
-def _scalar(x, like: torch.Tensor) -> torch.Tensor | None:
-    return None if x is None else torch.as_tensor(x, dtype=torch.float32,
-                                                  device=like.device).reshape(1)
+    _copy_rows(ws_k, rows, kc)
+    _copy_rows(ws_v, rows, vc)
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
