@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H100/H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-fused|step-prefill|put|calibration|write|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
+#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-unfused|step-prefill|put|calibration|write|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -137,9 +137,10 @@ case "${1:?stage}" in
                 --out "$OUT/serve_sweep_${GPU}_128k_${1#sweep-128k-}.json" 2>&1 | tail -12 ;;
   step)     timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+4o6 --batch 16 --ctx 8192 \
                 --out "$OUT/profile_step_${GPU}.json" 2>&1 | grep -E "^  |us of GPU" ;;
-  # K centering + rotation inside the writer (NVFP4KV_FUSE_TRANSFORMS=1) against stage step
-  step-fused) NVFP4KV_FUSE_TRANSFORMS=1 timeout 560 python3 evals/profile_step.py --dtypes nvfp4 \
-                --batch 16 --ctx 8192 --out "$OUT/profile_step_${GPU}_fused.json" 2>&1 \
+  # K centering + rotation as torch ops (NVFP4KV_FUSE_TRANSFORMS=0) against stage step, where
+  # the writer does them (the default since 2026-12-06)
+  step-unfused) NVFP4KV_FUSE_TRANSFORMS=0 timeout 560 python3 evals/profile_step.py --dtypes nvfp4 \
+                --batch 16 --ctx 8192 --out "$OUT/profile_step_${GPU}_unfused.json" 2>&1 \
                 | grep -E "^  |us of GPU" ;;
   # a chunked prefill by kernel (TTFT): where NVFP4's workspace path spends its time
   # STEP_DTYPES="fp8 nvfp4": fewer rows (each an engine start)

@@ -2,6 +2,7 @@
 cached prefix, an initial prefill) against the torch reference. CPU: the backend's torch path;
 CUDA: Triton kernels + FlashAttention."""
 import math
+import os
 from types import SimpleNamespace
 from unittest import mock
 
@@ -605,6 +606,15 @@ def test_fused_k_write_gives_the_same_cache(device, rotate_k, chosen):
             assert impl._online_center and impl.space.k_sub.abs().max() > 100
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])
+
+
+def test_fused_transforms_are_the_default():
+    """On since 2026-12-06 (the real-model test passed with it on an H100); 0 turns it off."""
+    env = {k: v for k, v in os.environ.items() if k != "NVFP4KV_FUSE_TRANSFORMS"}
+    with mock.patch.dict("os.environ", env, clear=True):
+        assert backend.options()["fuse_transforms"]
+    with mock.patch.dict("os.environ", {"NVFP4KV_FUSE_TRANSFORMS": "0"}):
+        assert not backend.options()["fuse_transforms"]
 
 
 def test_decode_variant_option():
