@@ -139,6 +139,7 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     r = tl.arange(0, BT * G_PAD)
     t = tl.program_id(0) * BT + r // G_PAD        # each block's token, slot and group
     slot = tl.load(slot_ptr + t, mask=t < T, other=-1).to(tl.int64)
+    t64 = t.to(tl.int64)  # row offsets: tokens x qkv's row stride can pass 2**31
     gi = r % G_PAD
     valid = (slot >= 0) & (gi < G)  # slot < 0: a padded token
     cmask = valid[:, None]
@@ -149,12 +150,12 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     if HAS_K_SUB or ROTATE_K:  # whole rows: per token, not per block
         tb = tl.program_id(0) * BT + tl.arange(0, BT)
         tslot = tl.load(slot_ptr + tb, mask=tb < T, other=-1)
-        xe, xo = _key_as_cached(key_ptr + tb * stride_kt + h * stride_kh, tslot >= 0,
+        xe, xo = _key_as_cached(key_ptr + tb.to(tl.int64) * stride_kt + h * stride_kh, tslot >= 0,
                                 k_sub_ptr, h, rot_c, rot_on_ptr, D, HAS_K_SUB, ROTATE_K,
                                 ROT_FLAG, LOG2_D)
         word, s = _quantize_vals(xe, xo, tl.load(k_scale_ptr), RULE)
     else:
-        word, s = _quantize_rows(key_ptr + (t * stride_kt + h * stride_kh)[:, None],
+        word, s = _quantize_rows(key_ptr + (t64 * stride_kt + h * stride_kh)[:, None],
                                  tl.load(k_scale_ptr), col, cmask, RULE)
     row = h * N + tok
     wptr = (page + row * (D // 2)).to(tl.pointer_type(tl.int32))  # rows are 4-aligned
@@ -163,7 +164,7 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     # V: each token's two bytes of each of its D/4 token-pair words, its scales at its V slot
     vs = v_slot(tok)
     p = (vs % 2).to(tl.uint32)
-    bits, s = _quantize_rows(value_ptr + (t * stride_vt + h * stride_vh)[:, None],
+    bits, s = _quantize_rows(value_ptr + (t64 * stride_vt + h * stride_vh)[:, None],
                              tl.load(v_scale_ptr), col, cmask, RULE, True,
                              p[:, None, None])                            # [M, 4] uint32
     base = page + SIDE_BYTES
