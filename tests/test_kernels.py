@@ -942,6 +942,46 @@ def test_write_cache_transforms_k_as_cache_space(device, d, dtype, sub, rot, bt,
         assert (a - b).abs().max() <= 0.5 * b.abs().max() / 6  # at most one E2M1 step
 
 
+def _write_past_2_31(device: str) -> bool:
+    """A 3-token step whose K/V rows sit 2**30 elements apart (views of one 4 GiB buffer, of
+    which only the rows are touched), so the last row starts at element 2**31: the rows a
+    step of ~350K tokens reaches at Llama-8B's qkv row stride (6,144). The writer, plain and
+    with K's transforms, against the reference. True where every byte matches."""
+    from vllm_nvfp4kv.kernels.rotation import rotate
+    h, d, n, stride = 2, 64, 16, 2 ** 30
+    buf = torch.empty(2 * stride + 2 * h * d, dtype=torch.bfloat16, device=device)
+    key = buf.as_strided((3, h, d), (stride, d, 1))
+    value = buf.as_strided((3, h, d), (stride, d, 1), h * d)
+    gen = _gen(31)
+    for t in range(3):
+        key[t], value[t] = (torch.randn(2, h, d, generator=gen) * 2).to(device)
+    mu = torch.randn(h, d, generator=gen).bfloat16()
+    slots = torch.tensor([3, 17, 30])
+    ok = True
+    for sub, rot in ((None, False), (mu, True)):
+        cache = torch.zeros(kv_cache_shape(2, n, h, d), dtype=torch.uint8, device=device)
+        K.write_cache(cache, key, value, slots.to(device), 1.0, 1.0,
+                      k_sub=None if sub is None else sub.to(device), rotate_k=rot)
+        k = key.cpu() - sub if sub is not None else key.cpu()
+        want = torch.zeros_like(cache, device="cpu")
+        R.write_cache(want, rotate(k) if rot else k, value.cpu(), slots, 1.0, 1.0)
+        ok &= torch.equal(cache.cpu(), want)
+    return ok
+
+
+def test_write_cache_row_offsets_past_2_31(device):
+    """K/V row offsets are 64-bit in the writer: with 32-bit ones the last row's address
+    wraps (in the interpreter a segfault, hence the subprocess)."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); import test_kernels as t; "
+            f"sys.exit(0 if t._write_past_2_31({device!r}) else 1)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
+
+
 @pytest.mark.parametrize("rule,bt", [("4over6", None), ("search", None), ("search", 4)])
 def test_write_cache_block_scales(device, rule, bt):
     """The block-scale rules that try several scales (format.BLOCK_SCALE_RULES): the writer
