@@ -474,6 +474,19 @@ def test_gather_out_starts(device):
     assert (k_out[~written.to(device)] == 5.0).all() and (v_out[~written.to(device)] == 5.0).all()
 
 
+def test_gather_refuses_a_workspace_past_2_31(device):
+    """The gather's row offsets are 32-bit: a workspace of 2**31 elements or more is refused
+    before launch (meta tensors: nothing is allocated)."""
+    d, n, h = 128, 16, 8
+    cache, _, _, _ = cache_pair(2, n, h, d, device, _gen(3))
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=device)
+    ss = torch.zeros(1, dtype=torch.int32, device=device)
+    big = torch.empty(2 ** 31 // (h * d), h, d, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(AssertionError, match="workspace too large"):
+        K.gather_cache(cache, table, cu, ss, big, big, 1.0, 1.0, 4)
+
+
 def test_gather_fp8_output_with_divisor(device):
     """float8_e4m3fn workspace with out_div = 8 (a power of two: the division is exact and the
     result is the reference / 8 rounded once to FP8). First with pages crafted so that every
