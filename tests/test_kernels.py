@@ -959,7 +959,9 @@ def _write_past_2_31(device: str) -> bool:
     """A 3-token step whose K/V rows sit 2**30 elements apart (views of one 4 GiB buffer, of
     which only the rows are touched), so the last row starts at element 2**31: the rows a
     step of ~350K tokens reaches at Llama-8B's qkv row stride (6,144). The writer, plain and
-    with K's transforms, against the reference. True where every byte matches."""
+    with K's transforms, against the reference: True where every byte matches (with the
+    transforms, where every value is within one E2M1 step, as
+    test_write_cache_transforms_k_as_cache_space allows for the order of fp32 sums)."""
     from vllm_nvfp4kv.kernels.rotation import rotate
     h, d, n, stride = 2, 64, 16, 2 ** 30
     buf = torch.empty(2 * stride + 2 * h * d, dtype=torch.bfloat16, device=device)
@@ -978,7 +980,12 @@ def _write_past_2_31(device: str) -> bool:
         k = key.cpu() - sub if sub is not None else key.cpu()
         want = torch.zeros_like(cache, device="cpu")
         R.write_cache(want, rotate(k) if rot else k, value.cpu(), slots, 1.0, 1.0)
-        ok &= torch.equal(cache.cpu(), want)
+        if sub is None:
+            ok &= torch.equal(cache.cpu(), want)
+            continue
+        for a, b in zip(R.dequantize_pages(cache.cpu(), d, 1.0, 1.0),
+                        R.dequantize_pages(want, d, 1.0, 1.0)):
+            ok &= bool((a - b).abs().max() <= 0.5 * b.abs().max() / 6)
     return ok
 
 
