@@ -8,14 +8,17 @@ the one replay that calibrates (flags 0).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
+import os
+import sys
 from types import SimpleNamespace
 
 import torch
-import triton
 
-from vllm_nvfp4kv import calibration as cal
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import assets  # noqa: E402
+
+from vllm_nvfp4kv import calibration as cal  # noqa: E402
 
 
 def bench(layers: int, batch: int, heads: int, head_dim: int, reps: int = 200) -> dict:
@@ -68,9 +71,7 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = [bench(args.layers, b, 8, 128) for b in (1, 64, 512)]
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "rows": rows}
+    res = {"run": assets.run_info(on_gpu=True), "rows": rows}
     for r in rows:
         print(json.dumps(r))
     if args.out:

@@ -16,7 +16,8 @@ prefilled in chunks of N tokens per step (max_num_batched_tokens), the GPU time 
 prefill by kernel, its wall time (profiled, and again unprofiled), and where the GPU sat
 idle between kernels (gpu_gaps: host time it could not hide, by the kernels around each
 gap). Answers "where does NVFP4's longer chunked prefill (TTFT) go": the workspace gather of
-each chunk's cached prefix, attention over it, the writer, host time. Variants as evals/bench_e2e.py's (nvfp4+fp8ws: the FP8 workspace):
+each chunk's cached prefix, attention over it, the writer, host time. Variants as
+evals/bench_e2e.py's (nvfp4+fp8ws: the FP8 workspace):
 
     python evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+fp8ws --batch 4 --ctx 32768 \\
         --prefill-chunk 8192 --out evals/results/profile_prefill_h200.json

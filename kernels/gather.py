@@ -134,8 +134,9 @@ def put_rows(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
     """out[rows[t]] = x[t] [T, H, D] made finite, minus sub, times mul ([H, D] each), rotated
     by the normalised Hadamard matrix (rotate: True, or a device int32 flag read at run time,
     as the per-layer choice is), each step rounded to x's dtype; out in its dtype
-    (float8_e4m3fn: divided by out_div, a float or 1-element tensor, and saturated). One launch replaces
-    the torch sequence reference.put_rows (up to the order of the rotation's fp32 sums).
+    (float8_e4m3fn: divided by out_div, a float or 1-element tensor, and saturated). One
+    launch replaces the torch sequence reference.put_rows (up to the order of the rotation's
+    fp32 sums).
     D a power of two; rows int64 [T] on the device."""
     t, h, d = x.shape
     if t == 0:

@@ -61,8 +61,9 @@ def options() -> dict:
     NVFP4KV_FUSE_TRANSFORMS (default 1): on a GPU, K centering and rotation inside the cache
       writer (kernels.write_cache k_sub / rotate_k) instead of two torch ops per layer and
       step; the same cache bytes up to rare last-bit differences (fp32 sum order;
-      tests/test_kernels.py), -1.7% decode-step GPU time on an H100 (README). 0: the torch ops. Not with K smoothing or NVFP4KV_CALIBRATE=online/collect
-      (they read the transformed K), nor for head sizes that are not a power of two. With
+      tests/test_kernels.py), -1.7% decode-step GPU time on an H100 (README). 0: the torch
+      ops. Not with K smoothing or NVFP4KV_CALIBRATE=online/collect (they read the
+      transformed K), nor for head sizes that are not a power of two. With
       NVFP4KV_ROTATE_K=auto the writer reads the layer's choice from a device flag.
     NVFP4KV_DECODE_VARIANT (default "default"): the decode kernel's launch variant
       (kernels.decode.DECODE_VARIANTS: "v_rows", V decoded in rows and transposed through
