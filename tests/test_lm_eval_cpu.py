@@ -143,6 +143,14 @@ def test_join_shards_of_one_run():
     assert [x["offset"] for x in rows["nvfp4"]["runs"]] == [0, 2]
     assert res["offset"] == 0 and res["limit"] == 4
     assert rows["nvfp4"]["diff_vs_auto"] == 0.0 and rows["nvfp4"]["agreement_vs_auto"] == 0.5
+    # a dtype sharded at other boundaries (FP8 over all four questions in one run)
+    fp8 = run(0, {"fp8": [0, 0, 1, 1]})
+    fp8["rows"][0]["per_doc_resps"] = [[-0.5, -1.0 * x] for x in [0, 0, 1, 1]]
+    res = lm_eval_kv.join([first, second, fp8], ["f", "s", "e"])
+    rows = {r["kv_dtype"]: r for r in res["rows"]}
+    assert rows["fp8"]["per_doc"] == [0, 0, 1, 1] and rows["fp8"]["n"] == 4
+    assert rows["nvfp4"]["diff_vs_fp8"] == pytest.approx(0.25)  # d = 1, 1, -1, 0
+    assert rows["auto"]["agreement_vs_fp8"] == 0.25  # argmax choices 1 0 1 1 against 1 1 0 0
     with pytest.raises(SystemExit):  # a gap: questions 2, 3 missing
         lm_eval_kv.join([first, run(4, {"auto": [1, 1], "nvfp4": [0, 1]})], ["f", "g"])
     with pytest.raises(SystemExit):  # nvfp4 covers fewer questions than auto
