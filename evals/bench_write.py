@@ -104,15 +104,19 @@ def main():
     for t in args.tokens:
         bts = sorted({b or tokens_per_program_for(t, args.heads, rule)
                       for b in args.tokens_per_program for rule in BLOCK_SCALE_RULES})
-        for fused in (False, True):
-            for bt in bts:
-                for rule in BLOCK_SCALE_RULES:
-                    ms = bench(t, args.heads, args.head_dim, rule, fused, bt, device,
-                               args.engine_layout)
-                    res["rows"].append({"tokens": t, "rule": rule, "fused": fused,
-                                        "tokens_per_program": bt, "us": round(ms * 1e3, 2),
-                                        "launcher_default":
-                                            bt == tokens_per_program_for(t, args.heads, rule)})
+        # the writer is instruction-bound: its time follows the SM clock (profile_step
+        # records the clock it gets inside an engine step)
+        with assets.sm_clock_mhz() as clock:
+            for fused in (False, True):
+                for bt in bts:
+                    for rule in BLOCK_SCALE_RULES:
+                        ms = bench(t, args.heads, args.head_dim, rule, fused, bt, device,
+                                   args.engine_layout)
+                        res["rows"].append({"tokens": t, "rule": rule, "fused": fused,
+                                            "tokens_per_program": bt, "us": round(ms * 1e3, 2),
+                                            "launcher_default":
+                                                bt == tokens_per_program_for(t, args.heads, rule)})
+        res.setdefault("sm_clock_mhz", {})[str(t)] = clock
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))  # kept if a later size times out
     plot(res, str(Path(args.out).with_suffix(".png")))

@@ -92,6 +92,7 @@ def _kernel_spans(prof) -> list[tuple[float, float, str]]:
 
 def profile_prefill(variant: str, batch: int, ctx: int, chunk: int, top: int) -> dict:
     import torch
+    from assets import sm_clock_mhz
     from torch.profiler import ProfilerActivity
     from vllm import SamplingParams
     llm = _engine(variant, ctx + 64, max_num_batched_tokens=chunk)
@@ -105,7 +106,8 @@ def profile_prefill(variant: str, batch: int, ctx: int, chunk: int, top: int) ->
     sync()
     t0 = time.perf_counter()
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA if gpu
-                                            else ProfilerActivity.CPU]) as prof:
+                                            else ProfilerActivity.CPU]) as prof, \
+            sm_clock_mhz() as clock:
         llm.generate(prompts[1:], sp, use_tqdm=False)
         sync()
     wall_s = time.perf_counter() - t0
@@ -122,11 +124,12 @@ def profile_prefill(variant: str, batch: int, ctx: int, chunk: int, top: int) ->
             "wall_s_prefill": round(wall_s, 3),
             "wall_s_prefill_unprofiled": round(wall_unprofiled_s, 3),
             "gpu_idle_us": gaps["idle_us"], "gpu_span_us": gaps["span_us"],
-            "top_gaps": gaps["top_gaps"], "top": rows}
+            "sm_clock_mhz": clock, "top_gaps": gaps["top_gaps"], "top": rows}
 
 
 def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
     import torch
+    from assets import sm_clock_mhz
     from torch.profiler import ProfilerActivity
     from vllm import SamplingParams
     llm = _engine(kv_dtype, ctx + steps + 64)
@@ -156,7 +159,8 @@ def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
     sync()
     wall_us = (time.perf_counter() - t0) / steps * 1e6
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA if gpu
-                                            else ProfilerActivity.CPU]) as prof:
+                                            else ProfilerActivity.CPU]) as prof, \
+            sm_clock_mhz() as clock:
         for _ in range(steps):
             engine.step()
         if gpu:
@@ -171,7 +175,7 @@ def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
     return {"kv_dtype": kv_dtype, "gpu_us_per_decode_step": round(total, 1),
             "wall_us_per_decode_step": round(wall_us, 1),
             "gpu_idle_us_per_decode_step": round(gaps["idle_us"] / steps, 1),
-            "top_gaps": gaps["top_gaps"], "top": rows}
+            "sm_clock_mhz": clock, "top_gaps": gaps["top_gaps"], "top": rows}
 
 
 def main():
@@ -218,6 +222,10 @@ def main():
                   f"decode step, {r['wall_us_per_decode_step']:.0f} us wall (batch "
                   f"{args.batch}, context {args.ctx}, 8 layers); GPU idle "
                   f"{r['gpu_idle_us_per_decode_step']:.0f} us per step under the profiler")
+        if r.get("sm_clock_mhz"):
+            c = r["sm_clock_mhz"]
+            print(f"  SM clock while profiled: median {c['median']} MHz ({c['min']}-{c['max']}, "
+                  f"{c['samples']} samples)")
         for k in r["top"]:
             us = k.get("us_per_step", k.get("us"))
             print(f"  {us:>8.1f} us {100 * k['share']:>5.1f}%  {k['kernel']}")

@@ -2,6 +2,7 @@
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -115,6 +116,25 @@ def test_run_info_names_device_versions_and_commit():
     assert "torch" in info["versions"] and "vllm-nvfp4kv (git)" in info["versions"]
     with mock.patch.dict(os.environ, {"NVFP4KV_DECODE_VARIANT": "v_halves"}):
         assert assets.run_info(on_gpu=False)["nvfp4kv_env"]["NVFP4KV_DECODE_VARIANT"] == "v_halves"
+
+
+def test_sm_clock_mhz_samples_while_the_block_runs(tmp_path):
+    """assets.sm_clock_mhz: min/median/max of the sampler's lines, filled on exit (here a
+    stand-in for `nvidia-smi -lms` that prints three samples, then runs on until stopped);
+    empty without the tool."""
+    sampled = tmp_path / "sampled"
+    fake = [sys.executable, "-c", "import time; print(1980, 1410, 1755, 'N/A', sep='\\n', "
+            f"flush=True); open({str(sampled)!r}, 'w').close(); time.sleep(60)"]
+    with assets.sm_clock_mhz(cmd=fake) as clock:
+        for _ in range(600):
+            if sampled.exists():
+                break
+            time.sleep(0.05)
+        assert clock == {}
+    assert clock == {"min": 1410, "median": 1755, "max": 1980, "samples": 3}
+    with assets.sm_clock_mhz(cmd=["no-such-nvidia-smi"]) as clock:
+        pass
+    assert clock == {}
 
 
 def test_fidelity_plot_panels_by_model_and_device(tmp_path):
