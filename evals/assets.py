@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 CACHE = Path(os.environ.get("NVFP4KV_ASSETS", Path.home() / ".cache" / "vllm-nvfp4kv"))
@@ -62,11 +63,13 @@ def run_info(on_gpu: bool) -> dict:
 
 
 @contextlib.contextmanager
-def sm_clock_mhz(cmd: list[str] | None = None, interval_ms: int = 50):
+def sm_clock_mhz(cmd: list[str] | None = None, interval_ms: int = 20):
     """The GPU's SM clock while the block runs, sampled by `nvidia-smi -lms`: yields a dict
     that gets min, median, max (MHz) and samples on exit; stays empty without nvidia-smi.
-    An instruction-bound kernel's time follows this clock, which a neighbour's tensor-core
-    work can hold below the boost clock the same kernel gets alone in a benchmark."""
+    The block starts once the sampler has printed its first sample (not counted: it is from
+    before the block), so a short block is sampled too. An instruction-bound kernel's time
+    follows this clock, which a neighbour's tensor-core work can hold below the boost clock
+    the same kernel gets alone in a benchmark."""
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
     cmd = cmd or ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
                   "-i", gpu, "-lms", str(interval_ms)]
@@ -75,12 +78,25 @@ def sm_clock_mhz(cmd: list[str] | None = None, interval_ms: int = 50):
         yield out
         return
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.strip())
+            started.set()
+        started.set()  # the tool exited (or failed) without a sample
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    started.wait(timeout=10)  # the first sample: from before the block, not counted
     try:
         yield out
     finally:
         proc.terminate()
-        text = proc.communicate(timeout=10)[0]
-        mhz = sorted(int(x) for x in text.split() if x.isdigit())
+        proc.wait(timeout=10)
+        reader.join(timeout=10)
+        mhz = sorted(int(x) for x in lines[1:] if x.isdigit())
         if mhz:
             out.update(min=mhz[0], median=mhz[len(mhz) // 2], max=mhz[-1], samples=len(mhz))
 

@@ -119,11 +119,11 @@ def test_run_info_names_device_versions_and_commit():
 
 
 def test_sm_clock_mhz_samples_while_the_block_runs(tmp_path):
-    """assets.sm_clock_mhz: min/median/max of the sampler's lines, filled on exit (here a
-    stand-in for `nvidia-smi -lms` that prints three samples, then runs on until stopped);
-    empty without the tool."""
+    """assets.sm_clock_mhz: min/median/max of the sampler's lines after its first, filled
+    on exit (here a stand-in for `nvidia-smi -lms`: a sample from before the block, then
+    three and a non-number, and it runs on until stopped); empty without the tool."""
     sampled = tmp_path / "sampled"
-    fake = [sys.executable, "-c", "import time; print(1980, 1410, 1755, 'N/A', sep='\\n', "
+    fake = [sys.executable, "-c", "import time; print(345, 1980, 1410, 1755, 'N/A', sep='\\n', "
             f"flush=True); open({str(sampled)!r}, 'w').close(); time.sleep(60)"]
     with assets.sm_clock_mhz(cmd=fake) as clock:
         for _ in range(600):
