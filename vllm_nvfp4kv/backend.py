@@ -370,8 +370,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if self._fused_k:
             write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale,
                         self.block_scales, k_sub=self.space.k_sub,
-                        rotate_k=self.space.rotate_k if self.space.k_rot_on is None
-                        else self.space.k_rot_on)  # per-layer choice: read at run time
+                        rotate_k=self.space.k_rotation())
             return
         write = write_cache if kv_cache.is_cuda else reference.write_cache
         write(kv_cache, key, value, slot_mapping, k_scale, v_scale, self.block_scales)

@@ -71,6 +71,12 @@ class CacheSpace:
                          if on else torch.eye(self.k_rot.shape[0], dtype=self.k_rot.dtype,
                                               device=self.k_rot.device))
 
+    def k_rotation(self) -> bool | torch.Tensor:
+        """K's rotation as the fused kernels take it (write_cache / put_rows): the per-layer
+        flag where the choice is reserved (read at run time, so CUDA graphs captured before
+        the choice follow it), else the fixed setting."""
+        return self.rotate_k if self.k_rot_on is None else self.k_rot_on
+
     def _rotate_k(self, x: torch.Tensor) -> torch.Tensor:
         if self.k_rot is not None:
             # a layer that chose no rotation skips x @ I from then on (graphs captured before

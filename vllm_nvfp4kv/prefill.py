@@ -197,8 +197,7 @@ def _put_chunk(k, v, rows, ws_k, ws_v, space: CacheSpace, k_div, v_div,
     K); elsewhere, or for a head_dim that is not a power of two, torch."""
     d = k.shape[-1]
     if (k.is_cuda if kernel is None else kernel) and d & (d - 1) == 0:
-        rot_k = space.k_rot_on if space.k_rot is not None else space.rotate_k
-        put_rows(k, rows, ws_k, space.k_sub, space.k_mul, rot_k, k_div)
+        put_rows(k, rows, ws_k, space.k_sub, space.k_mul, space.k_rotation(), k_div)
         put_rows(v, rows, ws_v, rotate=space.rotate_v, out_div=v_div)
         return
     kc, vc = space.key(_finite(k)), space.value(_finite(v))
