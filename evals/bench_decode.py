@@ -31,7 +31,8 @@ if __name__ == "__main__" and "--toy" in sys.argv:
 import triton  # noqa: E402
 
 from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
-from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, choose_num_splits  # noqa: E402
+from vllm_nvfp4kv.kernels.decode import (DECODE_VARIANTS, HOPPER_PROGRAMS_PER_SM,  # noqa: E402
+                                         choose_block_n, choose_num_splits)
 
 # K+V, D=128; int4: [K(64) | K scale+zero-point(4) | V(64) | V scale+zero-point(4)];
 # tq4 (turboquant_4bit_nc): [K codebook indices(64) + norm(2) | V(64) + scale+zero(4)]
@@ -339,8 +340,8 @@ def ab(args):
     """A/B of kernel variants at a few shapes in one process, FA3 FP8 as the yardstick:
     K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
     tiles, 8 warps, twice the default split count (more CTAs per SM), a three-stage load
-    pipeline, and DECODE_VARIANTS: V in rows through shared memory (v_rows; the default
-    decodes V^T into the MMA operand)."""
+    pipeline, the split and tile rule before 2026-12-06 (per_sm8), and DECODE_VARIANTS: V in
+    rows through shared memory (v_rows; the default decodes V^T into the MMA operand)."""
     device = torch.device("cuda")
     res = header(args, device)
     for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
@@ -359,7 +360,13 @@ def ab(args):
         cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
         base = choose_num_splits(batch, args.hkv, ctx, device)
         row = {"batch": batch, "ctx": ctx, "splits": base}
-        variants = (("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
+        # the launcher's split and tile rule before 2026-12-06: ~8 programs per SM, 64-token
+        # tiles from 16 splits up
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        ns8 = max(1, min(64, math.ceil(8 * sms / (batch * args.hkv)), math.ceil(ctx / 256)))
+        variants = (("per_sm8", dict(mma_k=True, num_splits=ns8,
+                                     block_n=64 if ns8 >= 16 else 128)),
+                    ("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
                     ("mma_k_bn64", dict(mma_k=True, block_n=64)),
                     ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
                     ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
@@ -398,25 +405,44 @@ def ab(args):
 
 
 def split_sweep(args):
-    """Split-KV count (programs per SM) x tile size at a few shapes: the launch's occupancy
-    lever (Nsight Compute showed ~15% achieved occupancy at the default of ~2 programs/SM)."""
+    """Split-KV count x tile size at a few shapes: the launch's occupancy lever. Counts from
+    programs per SM (ceil, the launcher's rule before 2026-12-06) and from whole waves of
+    HOPPER_PROGRAMS_PER_SM (floor: no partly filled last wave; the launcher's rule since);
+    launcher_default marks the launcher's own choice."""
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    res = {**header(args, device), "sms": sms}
+    res = {**header(args, device), "sms": sms, "resident_per_sm": HOPPER_PROGRAMS_PER_SM}
     for batch, ctx in [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144),
                        (16, 131072), (4, 8192), (32, 4096)]:
         p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
         cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
+        programs = batch * args.hkv
+        counts = {}  # split count -> how it was chosen (the first rule that gives it)
         for per_sm in (2, 3, 4, 6, 8, 12):
-            ns = max(1, min(64, math.ceil(per_sm * sms / (batch * args.hkv)), ctx // 256))
+            counts.setdefault(math.ceil(per_sm * sms / programs), f"{per_sm} per SM")
+        for waves in (1, 2, 3):
+            counts.setdefault(waves * HOPPER_PROGRAMS_PER_SM * sms // programs, f"{waves} wave(s)")
+        chosen, timed = choose_num_splits(batch, args.hkv, ctx, device), set()
+        chosen_bn = choose_block_n(chosen, device)
+        for want, rule in sorted(counts.items()):
+            ns = max(1, min(64, want, ctx // 256))
+            if ns in timed:
+                continue  # clamped onto a count already timed
+            timed.add(ns)
             for block_n in (64, 128):
                 ms = time_fn(run_nvfp4(p, cache, out, num_splits=ns, block_n=block_n), device)
-                row = dict(batch=batch, ctx=ctx, per_sm=per_sm, splits=ns, block_n=block_n,
+                row = dict(batch=batch, ctx=ctx, rule=rule, splits=ns, block_n=block_n,
+                           waves=round(ns * programs / (HOPPER_PROGRAMS_PER_SM * sms), 2),
+                           launcher_default=(ns, block_n) == (chosen, chosen_bn),
                            ms=ms, GBps=kv_gbps("nvfp4", batch, ctx, args, ms))
                 res["rows"].append(row)
-        best = min((r for r in res["rows"] if (r["batch"], r["ctx"]) == (batch, ctx)),
-                   key=lambda r: r["ms"])
-        print("best", json.dumps(best), flush=True)
+        rows = [r for r in res["rows"] if (r["batch"], r["ctx"]) == (batch, ctx)]
+        best = min(rows, key=lambda r: r["ms"])
+        default = next(r for r in rows if r["launcher_default"])
+        print(f"best {batch} x {ctx}: {best['splits']} splits ({best['rule']}), "
+              f"{best['block_n']}-token tiles, {best['ms'] * 1e3:.1f} us; the launcher's "
+              f"{default['splits']} / {default['block_n']}: {default['ms'] * 1e3:.1f} us "
+              f"({default['ms'] / best['ms']:.2f}x)", flush=True)
         del cache
     return res
 

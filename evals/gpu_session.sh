@@ -83,7 +83,7 @@ case "${1:?stage}" in
                 ${AB_VARIANTS:+--variants $AB_VARIANTS} \
                 2>&1 | quiet | tail -22 ;;
   splits)   timeout 560 python3 evals/bench_decode.py --split-sweep \
-                --out "$OUT/decode_splits_${GPU}.json" 2>&1 | grep best ;;
+                --out "$OUT/decode_splits_${GPU}.json" 2>&1 | grep "^best" ;;
   reliability) timeout 500 python3 -P -m pytest -q -rs tests/test_reliability.py -k "fuzz_triton \
                 or leak or padded or past_sequence or round_trip" 2>&1 | tail -4 ;;
   sanitize) timeout 570 compute-sanitizer --tool memcheck --print-limit 10 python3 \

@@ -19,7 +19,6 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
 
 import torch
@@ -27,23 +26,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd  # noqa: E402
 
-
-def _cuda_tool(kernel, tool: str, *args: str) -> str:
-    """Output of one of Triton's bundled CUDA binary tools (nvdisasm, cuobjdump) run on the
-    kernel's cubin."""
-    import triton
-    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
-    path = "/tmp/nvfp4kv_decode.cubin"
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    return subprocess.run([exe, *args, path], capture_output=True, text=True).stdout
+from vllm_nvfp4kv.kernels import aot  # noqa: E402
 
 
 def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -> str:
     """Instruction counts of the longest loop in the kernel's SASS, and the kernel's cp.async
     waits (DEPBAR.LE SB0, n: wait until at most n copy groups are in flight; 0 at the loop top
     means each tile's loads are drained before it is used, none loading while one computes)."""
-    sass = _cuda_tool(kernel, "nvdisasm", "-c")
+    sass = aot.cuda_tool(kernel, "nvdisasm", "-c")
     lines = [re.sub(r"/\*[^*]*\*/", "", x) for x in sass.splitlines()]
     labels = {m.group(1): i for i, x in enumerate(lines)
               if (m := re.match(r"\s*\.(L_x_\d+):", x))}
@@ -69,7 +59,6 @@ def compile_sass(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 1
                  arch: int = 90, mma_v: bool = True, bt_ahead: bool = False):
     """The decode kernel as the launcher specialises it (Llama-3-8B heads, page 16), compiled
     ahead of time for sm_<arch>: no GPU needed."""
-    from vllm_nvfp4kv.kernels import aot
     fn, sig, _, _ = aot.specs()["decode"]
     return aot.compile_kernel(fn, sig, aot.decode_constexprs(block_n, warps, qpk, d, mma_k,
                                                              v_halves=v_halves, mma_v=mma_v,
@@ -77,21 +66,10 @@ def compile_sass(block_n: int, warps: int, stages: int, qpk: int = 4, d: int = 1
                               arch, warps, stages, maxnreg)
 
 
-# per SM: shared memory a kernel may use, resident threads (CUDA programming guide; 65,536
-# registers on all three)
-SM_LIMITS = {80: (164 * 1024, 2048), 89: (100 * 1024, 1536), 90: (227 * 1024, 2048)}
-
-
 def resources(kernel, arch: int = 90) -> str:
-    """Registers per thread, spill stack and shared memory of a compiled kernel; with them
-    the programs that fit one SM of sm_<arch> (sm_90: an H200's 227 KB of shared memory)."""
-    out = _cuda_tool(kernel, "cuobjdump", "-res-usage")
-    regs, stack = (int(re.search(rf"{k}:(\d+)", out).group(1)) for k in ("REG", "STACK"))
-    smem, threads = kernel.metadata.shared, 32 * kernel.metadata.num_warps
-    smem_max, threads_max = SM_LIMITS[arch]
-    fit = min(65536 // (regs * threads), smem_max // max(1, smem), threads_max // threads)
-    return (f"registers/thread {regs}, spill stack {stack} B, shared {smem} B: "
-            f"{fit} programs per SM of sm_{arch}")
+    r = aot.resources(kernel, arch)
+    return (f"registers/thread {r['registers']}, spill stack {r['stack']} B, shared "
+            f"{r['shared']} B: {r['programs_per_sm']} programs per SM of sm_{arch}")
 
 
 def main():
@@ -143,7 +121,7 @@ def main():
         meta = kernel.metadata
         print(f"registers/thread {kernel.n_regs}, spills {kernel.n_spills}, "
               f"shared {meta.shared} B, warps {meta.num_warps}")
-        block_n = choose_block_n(choose_num_splits(args.batch, 8, args.ctx, dev))
+        block_n = choose_block_n(choose_num_splits(args.batch, 8, args.ctx, dev), dev)
         print(loop_mix(kernel, block_n, meta.num_warps))
 
 

@@ -125,6 +125,36 @@ def compile_kernel(fn, signature: dict, constexprs: dict, arch: int, num_warps: 
                                        **({} if maxnreg is None else {"maxnreg": maxnreg})))
 
 
+# per SM: shared memory a kernel may use, resident threads (CUDA programming guide; 65,536
+# registers on all three)
+SM_LIMITS = {80: (164 * 1024, 2048), 89: (100 * 1024, 1536), 90: (227 * 1024, 2048)}
+
+
+def cuda_tool(kernel, tool: str, *args: str) -> str:
+    """Output of one of Triton's bundled CUDA binary tools (nvdisasm, cuobjdump) run on a
+    compiled kernel's cubin."""
+    import os
+    import subprocess
+    import tempfile
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([exe, *args, f.name], capture_output=True, text=True).stdout
+
+
+def resources(kernel, arch: int) -> dict:
+    """Registers per thread, spill stack and shared memory of a kernel compiled for
+    sm_<arch>, and the programs of it that fit one SM (registers, shared memory, threads)."""
+    import re
+    out = cuda_tool(kernel, "cuobjdump", "-res-usage")
+    regs, stack = (int(re.search(rf"{k}:(\d+)", out).group(1)) for k in ("REG", "STACK"))
+    smem, threads = kernel.metadata.shared, 32 * kernel.metadata.num_warps
+    smem_max, threads_max = SM_LIMITS[arch]
+    fit = min(65536 // (regs * threads), smem_max // max(1, smem), threads_max // threads)
+    return dict(registers=regs, stack=stack, shared=smem, programs_per_sm=fit)
+
+
 def launch_options(fn) -> dict:
     """Compile options a kernel's launcher passes besides num_warps and num_stages."""
     from . import cache_write

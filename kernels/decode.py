@@ -268,20 +268,40 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Programs of the Hopper launch at D = 128 (128-token tiles, 4 warps, 4 stages) that fit one
+# SM: 165 registers x 128 threads and 62 KB of shared memory allow 3 (the sm_90 build;
+# tests/test_compile.py checks it against the compiler).
+HOPPER_PROGRAMS_PER_SM = 3
+
+
+def _wave_launch(device: torch.device, head_dim: int) -> bool:
+    """Where the one-wave launch rules below were measured: Hopper's kernel at D = 128 (the
+    interpreter follows it, as has_wgmma)."""
+    return has_wgmma(device) and head_dim == 128
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device) -> int:
+                      device: torch.device, head_dim: int = 128) -> int:
     """Split-KV count from the batch shape only (so a CUDA graph captured for a batch size
-    stays valid for any sequence length): about 8 programs per SM (the kernel is latency-
-    bound and 3 fit at once; evals/bench_decode.py --split-sweep on an H200), at least 256
-    tokens per split, at most 64 splits."""
-    want = math.ceil(8 * _num_sms(device) / max(1, batch * num_kv_heads))
+    stays valid for any sequence length), at least 256 tokens per split, at most 64.
+    On Hopper at D = 128: as many as fill one wave of resident programs
+    (HOPPER_PROGRAMS_PER_SM per SM) where the batch's heads leave room: against the rule
+    below, 1.08-1.15x faster at batch 1-4 and 1 x 256K and 1.12x at 32 x 4K, the same from
+    batch 16 up (H100 split sweep, 2026-12-06, evals/RESULTS.md). Larger batches, other head
+    sizes and other GPUs (untimed): about 8 programs per SM (the H200 sweep of an older
+    kernel, 2026-12-04)."""
+    programs = max(1, batch * num_kv_heads)
+    sms = _num_sms(device)
+    one_wave = HOPPER_PROGRAMS_PER_SM * sms // programs if _wave_launch(device, head_dim) else 0
+    want = one_wave if one_wave >= 1 else math.ceil(8 * sms / programs)
     return max(1, min(64, want, math.ceil(max_seq_len / 256)))
 
 
-def choose_block_n(num_splits: int) -> int:
-    """Tokens per tile: short splits take smaller tiles (measured on an H200,
-    evals/bench_decode.py --tune)."""
-    return 64 if num_splits >= 16 else 128
+def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128) -> int:
+    """Tokens per tile: 128 on Hopper at D = 128 (faster than 64, or within 1%, at every
+    split count of the 2026-12-06 sweep); elsewhere short splits take 64 (an H200 with an
+    older kernel, evals/bench_decode.py --tune)."""
+    return 128 if _wave_launch(device, head_dim) or num_splits < 16 else 64
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -324,8 +344,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     dev = q.device
     if num_splits is None:
         max_seq_len = max_seq_len or block_table.shape[1] * n
-        num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev)
-    block_n = block_n or choose_block_n(num_splits)
+        num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev, d)
+    block_n = block_n or choose_block_n(num_splits, dev, d)
     if block_n not in (32, 64, 128, 256):
         # 16-token tiles gave wrong results on an H200 with Triton 3.6 (correct in the
         # interpreter); refused until that is understood

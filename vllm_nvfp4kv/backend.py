@@ -243,7 +243,7 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
                                 self.device, self.prefill_from_cache)
         # split count from the batch shape only: valid for every replay of a captured graph
         splits = choose_num_splits(max(num_decodes, 1), self.num_kv_heads, self.max_model_len,
-                                   self.device)
+                                   self.device, self.head_size)
         return NvFp4Metadata(
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,
