@@ -30,6 +30,9 @@ if __name__ == "__main__" and "--toy" in sys.argv:
 
 import triton  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import assets  # noqa: E402
+
 from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
 from vllm_nvfp4kv.kernels.decode import (DECODE_VARIANTS, HOPPER_PROGRAMS_PER_SM,  # noqa: E402
                                          choose_block_n, choose_num_splits)
@@ -180,7 +183,8 @@ def header(args, device) -> dict:
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
            "torch": torch.__version__, "triton": triton.__version__,
-           "heads": [args.hq, args.hkv, args.d], "page": args.page, "rows": []}
+           "heads": [args.hq, args.hkv, args.d], "page": args.page, "rows": [],
+           "run": assets.run_info(device.type == "cuda")}  # the commit, among others
     try:
         import vllm
         res["vllm"] = vllm.__version__
@@ -412,8 +416,10 @@ def split_sweep(args):
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     res = {**header(args, device), "sms": sms, "resident_per_sm": HOPPER_PROGRAMS_PER_SM}
-    for batch, ctx in [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144),
-                       (16, 131072), (4, 8192), (32, 4096)]:
+    shapes = [tuple(map(int, x.split("x"))) for x in args.shapes] or [
+        (1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072), (4, 8192),
+        (32, 4096)]
+    for batch, ctx in shapes:
         p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
         cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
         programs = batch * args.hkv
@@ -525,6 +531,8 @@ def main():
     ap.add_argument("--variants", nargs="+", help="--ab: only these variants (and mma_k, the "
                     "default kernel), e.g. v_rows mma_k_bn64")
     ap.add_argument("--split-sweep", action="store_true", help="see split_sweep()")
+    ap.add_argument("--shapes", nargs="+", default=[], metavar="BATCHxCTX",
+                    help="--split-sweep: these shapes instead of its own, e.g. 8x32768")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")
     ap.add_argument("--variant", default="default", choices=sorted(DECODE_VARIANTS),

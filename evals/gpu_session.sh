@@ -82,7 +82,8 @@ case "${1:?stage}" in
   ab)       timeout 560 python3 evals/bench_decode.py --ab --out "$OUT/decode_ab_${GPU}.json" \
                 ${AB_VARIANTS:+--variants $AB_VARIANTS} \
                 2>&1 | quiet | tail -22 ;;
-  splits)   timeout 560 python3 evals/bench_decode.py --split-sweep \
+  # SPLIT_SHAPES="8x32768 16x131072": other shapes (BATCHxCTX)
+  splits)   timeout 560 python3 evals/bench_decode.py --split-sweep ${SPLIT_SHAPES:+--shapes $SPLIT_SHAPES} \
                 --out "$OUT/decode_splits_${GPU}.json" 2>&1 | grep "^best" ;;
   reliability) timeout 500 python3 -P -m pytest -q -rs tests/test_reliability.py -k "fuzz_triton \
                 or leak or padded or past_sequence or round_trip" 2>&1 | tail -4 ;;

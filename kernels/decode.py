@@ -284,16 +284,17 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
                       device: torch.device, head_dim: int = 128) -> int:
     """Split-KV count from the batch shape only (so a CUDA graph captured for a batch size
     stays valid for any sequence length), at least 256 tokens per split, at most 64.
-    On Hopper at D = 128: as many as fill one wave of resident programs
-    (HOPPER_PROGRAMS_PER_SM per SM) where the batch's heads leave room: against the rule
-    below, 1.08-1.15x faster at batch 1-4 and 1 x 256K and 1.12x at 32 x 4K, the same from
-    batch 16 up (H100 split sweep, 2026-12-06, evals/RESULTS.md). Larger batches, other head
-    sizes and other GPUs (untimed): about 8 programs per SM (the H200 sweep of an older
-    kernel, 2026-12-04)."""
+    On Hopper at D = 128, where one wave of resident programs (HOPPER_PROGRAMS_PER_SM per SM)
+    gives each KV head of the batch 4 or more splits (batch x KV heads <= 99 on 132 SMs): as
+    many as fill that one wave. A grid of 1.05-1.5 waves ran up to 1.3x slower than one whole
+    wave, and the rule below gave 1.3-2.7 waves at batch 1-8 (H100 split sweeps, 2026-12-06,
+    evals/RESULTS.md). Larger batches, where one wave would leave each head 1-3 long splits
+    (1-8% slower than more waves), other head sizes and other GPUs (untimed): about 8
+    programs per SM (the H200 sweep of an older kernel, 2026-12-04)."""
     programs = max(1, batch * num_kv_heads)
     sms = _num_sms(device)
     one_wave = HOPPER_PROGRAMS_PER_SM * sms // programs if _wave_launch(device, head_dim) else 0
-    want = one_wave if one_wave >= 1 else math.ceil(8 * sms / programs)
+    want = one_wave if one_wave >= 4 else math.ceil(8 * sms / programs)
     return max(1, min(64, want, math.ceil(max_seq_len / 256)))
 
 

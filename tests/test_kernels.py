@@ -905,15 +905,18 @@ def test_choose_num_splits():
     assert K.choose_num_splits(1, 1, 10, dev) == 1
     assert K.choose_num_splits(1, 1, 10 ** 6, dev) == K.choose_num_splits(1, 1, 10 ** 7, dev)
     # Hopper's rule (the interpreter follows Hopper), D = 128: one wave of resident programs
-    # where the heads leave room, never a partly filled second one
+    # where it gives each head 4 or more splits, never a partly filled second wave
     from vllm_nvfp4kv.kernels.decode import (HOPPER_PROGRAMS_PER_SM, _num_sms,
                                              choose_block_n)
-    wave = HOPPER_PROGRAMS_PER_SM * _num_sms(dev)
-    for batch, heads in ((1, 1), (1, 8), (2, 8), (3, 5), (wave, 1)):
+    sms = _num_sms(dev)
+    wave = HOPPER_PROGRAMS_PER_SM * sms
+    for batch, heads in ((1, 1), (1, 2), (2, 2), (1, 5), (1, wave // 4)):
         s = K.choose_num_splits(batch, heads, 10 ** 6, dev)
         assert s * batch * heads <= wave < (s + 1) * batch * heads or s == 64
-        assert choose_block_n(s, dev) == 128
-    assert K.choose_num_splits(wave + 1, 1, 10 ** 6, dev) > 1  # more than a wave: ~8 per SM
+        assert s >= 4 and choose_block_n(s, dev) == 128
+    # fewer than 4 splits per head in one wave: about 8 programs per SM instead
+    for programs in (wave // 4 + 1, wave, 3 * wave):
+        assert K.choose_num_splits(programs, 1, 10 ** 6, dev) == math.ceil(8 * sms / programs)
     assert choose_block_n(32, dev, head_dim=256) == 64  # other head sizes: the older rule
 
 
