@@ -344,8 +344,8 @@ def ab(args):
     """A/B of kernel variants at a few shapes in one process, FA3 FP8 as the yardstick:
     K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
     tiles, 8 warps, twice the default split count (more CTAs per SM), a three-stage load
-    pipeline, the split and tile rule before 2026-12-06 (per_sm8), and DECODE_VARIANTS: V in
-    rows through shared memory (v_rows; the default decodes V^T into the MMA operand)."""
+    pipeline, and DECODE_VARIANTS: V in rows through shared memory (v_rows; the default
+    decodes V^T into the MMA operand), the split and tile rule before 2026-12-06 (per_sm8)."""
     device = torch.device("cuda")
     res = header(args, device)
     for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
@@ -364,13 +364,7 @@ def ab(args):
         cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
         base = choose_num_splits(batch, args.hkv, ctx, device)
         row = {"batch": batch, "ctx": ctx, "splits": base}
-        # the launcher's split and tile rule before 2026-12-06: ~8 programs per SM, 64-token
-        # tiles from 16 splits up
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        ns8 = max(1, min(64, math.ceil(8 * sms / (batch * args.hkv)), math.ceil(ctx / 256)))
-        variants = (("per_sm8", dict(mma_k=True, num_splits=ns8,
-                                     block_n=64 if ns8 >= 16 else 128)),
-                    ("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
+        variants = (("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
                     ("mma_k_bn64", dict(mma_k=True, block_n=64)),
                     ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
                     ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),

@@ -48,7 +48,9 @@ def results_header(**fields) -> dict:
 OPTIONS = {"fp8ws": ("NVFP4KV_WORKSPACE_DTYPE", "fp8"),  # FP8 prefill workspace
            "norot": ("NVFP4KV_ROTATE_K", "0"),           # no Hadamard rotation of K
            "4o6": ("NVFP4KV_BLOCK_SCALES", "4over6"),    # 4-over-6 block scales, not search
-           "amax6": ("NVFP4KV_BLOCK_SCALES", "amax6")}   # plain amax/6 block scales
+           "amax6": ("NVFP4KV_BLOCK_SCALES", "amax6"),   # plain amax/6 block scales
+           # the decode split count and tile size before 2026-12-06
+           "per_sm8": ("NVFP4KV_DECODE_VARIANT", "per_sm8")}
 
 
 def apply_options(variant: str) -> str:

@@ -239,6 +239,8 @@ DECODE_VARIANTS = {
     "drain": dict(bt_ahead=False, num_stages=2),
     "v_rows": dict(mma_v=False, bt_ahead=False, num_stages=2),
     "bt_ahead_s3": dict(bt_ahead=True, num_stages=3),
+    # the split-KV count and tile size before 2026-12-06 (choose_num_splits)
+    "per_sm8": dict(split_rule="per_sm8"),
 }
 
 
@@ -281,7 +283,7 @@ def _wave_launch(device: torch.device, head_dim: int) -> bool:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device, head_dim: int = 128) -> int:
+                      device: torch.device, head_dim: int = 128, rule: str = "waves") -> int:
     """Split-KV count from the batch shape only (so a CUDA graph captured for a batch size
     stays valid for any sequence length), at least 256 tokens per split, at most 64.
     On Hopper at D = 128, where one wave of resident programs (HOPPER_PROGRAMS_PER_SM per SM)
@@ -289,20 +291,24 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
     many as fill that one wave. A grid of 1.05-1.5 waves ran up to 1.3x slower than one whole
     wave, and the rule below gave 1.3-2.7 waves at batch 1-8 (H100 split sweeps, 2026-12-06,
     evals/RESULTS.md). Larger batches, where one wave would leave each head 1-3 long splits
-    (1-8% slower than more waves), other head sizes and other GPUs (untimed): about 8
-    programs per SM (the H200 sweep of an older kernel, 2026-12-04)."""
+    (1-8% slower than more waves), other head sizes and other GPUs (untimed), and rule
+    "per_sm8" (the rule everywhere before 2026-12-06; DECODE_VARIANTS): about 8 programs per
+    SM (the H200 sweep of an older kernel, 2026-12-04)."""
     programs = max(1, batch * num_kv_heads)
     sms = _num_sms(device)
-    one_wave = HOPPER_PROGRAMS_PER_SM * sms // programs if _wave_launch(device, head_dim) else 0
+    one_wave = (HOPPER_PROGRAMS_PER_SM * sms // programs
+                if rule == "waves" and _wave_launch(device, head_dim) else 0)
     want = one_wave if one_wave >= 4 else math.ceil(8 * sms / programs)
     return max(1, min(64, want, math.ceil(max_seq_len / 256)))
 
 
-def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128) -> int:
-    """Tokens per tile: 128 on Hopper at D = 128 (faster than 64, or within 1%, at every
-    split count of the 2026-12-06 sweep); elsewhere short splits take 64 (an H200 with an
-    older kernel, evals/bench_decode.py --tune)."""
-    return 128 if _wave_launch(device, head_dim) or num_splits < 16 else 64
+def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,
+                   rule: str = "waves") -> int:
+    """Tokens per tile: 128 on Hopper at D = 128 (as fast as 64 or faster at 110 of 116 split
+    counts of the 2026-12-06 sweeps, at most 6% slower at the others); elsewhere, and under
+    rule "per_sm8", short splits take 64 (an H200 with an older kernel, bench_decode --tune)."""
+    wave = rule == "waves" and _wave_launch(device, head_dim)
+    return 128 if wave or num_splits < 16 else 64
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -313,7 +319,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      num_warps: int = 4, num_stages: int | None = None,
                      use_asm: bool | None = None, mma_k: bool | None = None,
                      v_halves: bool = True, mma_v: bool | None = None,
-                     bt_ahead: bool | None = None) -> torch.Tensor:
+                     bt_ahead: bool | None = None, split_rule: str = "waves") -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -333,7 +339,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     "What bounds it"). Default: on, with 4 stages, where K and V^T are decoded into the MMA
     layouts in tiles of <= 128 tokens (the Hopper default: 1.09-1.19x faster than without at
     batch >= 4 on an H200, evals/results/decode_ab_h200_bt_ahead.json); elsewhere off with 2
-    stages (untimed)."""
+    stages (untimed).
+    split_rule: how num_splits and block_n are chosen where not given ("waves", or
+    "per_sm8": the rule before 2026-12-06; choose_num_splits)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -345,8 +353,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     dev = q.device
     if num_splits is None:
         max_seq_len = max_seq_len or block_table.shape[1] * n
-        num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev, d)
-    block_n = block_n or choose_block_n(num_splits, dev, d)
+        num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev, d, split_rule)
+    block_n = block_n or choose_block_n(num_splits, dev, d, split_rule)
     if block_n not in (32, 64, 128, 256):
         # 16-token tiles gave wrong results on an H200 with Triton 3.6 (correct in the
         # interpreter); refused until that is understood

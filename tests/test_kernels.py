@@ -821,13 +821,14 @@ def test_decode_defaults_per_gpu_generation(device, monkeypatch):
 
 
 def test_decode_fp16_query_small_tiles_default_splits(device):
-    """fp16 q and output, BLOCK_N 32 (two pages per tile), the default split choice."""
+    """fp16 q and output, BLOCK_N 32 (two pages per tile), the default split choice and
+    the one before 2026-12-06 (split_rule "per_sm8": other split count and tile size)."""
     d, n, hkv, qpk = 128, 16, 2, 1
     seq_lens = [47, 3]
     cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, 0.5, 2.0,
                                        q_dtype=torch.float16)
     ref = _ref_decode(q, cache, table, sl, 0.1, 0.5, 2.0)
-    for kw in ({"block_n": 32, "num_splits": 2}, {}):
+    for kw in ({"block_n": 32, "num_splits": 2}, {}, {"split_rule": "per_sm8"}):
         out = torch.empty(q.shape, dtype=torch.float16, device=device)
         K.decode_attention(q, cache, table, sl, out, 0.1, 0.5, 2.0, **kw)
         _check_decode(out, ref, seq_lens)
@@ -918,6 +919,9 @@ def test_choose_num_splits():
     for programs in (wave // 4 + 1, wave, 3 * wave):
         assert K.choose_num_splits(programs, 1, 10 ** 6, dev) == math.ceil(8 * sms / programs)
     assert choose_block_n(32, dev, head_dim=256) == 64  # other head sizes: the older rule
+    # the older rule by name (NVFP4KV_DECODE_VARIANT=per_sm8)
+    assert K.choose_num_splits(1, 2, 10 ** 6, dev, rule="per_sm8") == math.ceil(8 * sms / 2)
+    assert choose_block_n(32, dev, rule="per_sm8") == 64
 
 
 @pytest.mark.parametrize("d,dtype,sub,rot,bt", [

@@ -1055,6 +1055,24 @@ def test_head_size_v_different_from_head_size_is_refused():
                                         None)
 
 
+def test_decode_variant_sets_the_split_rule():
+    """The metadata builder picks each step's split-KV count by the decode variant's rule
+    (NVFP4KV_DECODE_VARIANT=per_sm8: the count before 2026-12-06), so the kernel's tile
+    size and the count it is launched with come from the same rule."""
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+    from vllm_nvfp4kv.backend import NvFp4MetadataBuilder
+    cfg = VllmConfig(model_config=ModelConfig(model=TINY, skip_tokenizer_init=True,
+                                              max_model_len=256))
+    spec = FullAttentionSpec(16, num_kv_heads=2, head_size=128, dtype=torch.uint8,
+                             kv_quant_mode=get_kv_quant_mode("nvfp4"))
+    assert NvFp4MetadataBuilder(spec, ["l0"], cfg, torch.device("cpu")).split_rule == "waves"
+    with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "per_sm8"}):
+        builder = NvFp4MetadataBuilder(spec, ["l0"], cfg, torch.device("cpu"))
+    assert builder.split_rule == "per_sm8"
+
+
 def test_engine_refuses_bad_head_size_and_block_size(sharp_model):
     """vLLM's CPU engine (LLM(...), in this process) with kv_cache_dtype nvfp4 fails at
     startup, before serving anything, with the plugin's reason and way out: head_dim 72 (a

@@ -69,7 +69,8 @@ def options() -> dict:
       (kernels.decode.DECODE_VARIANTS: "v_rows", V decoded in rows and transposed through
       shared memory instead of straight into the MMA operand; "drain", the block-table
       entries loaded in the tile's own iteration (the default before 2026-12-05);
-      "bt_ahead_s3", entries a tile ahead with 3 load stages instead of 4), for serving A/Bs."""
+      "bt_ahead_s3", entries a tile ahead with 3 load stages instead of 4; "per_sm8", the
+      split-KV count and tile size before 2026-12-06), for serving A/Bs."""
     env = os.environ.get
     return {"block_scales": _block_scales(),
             "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
@@ -223,6 +224,7 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         self.max_model_len = vllm_config.model_config.max_model_len
         self.capacity = workspace_capacity(vllm_config, self.window)
         self.prefill_from_cache = options()["prefill_from_cache"]
+        self.split_rule = DECODE_VARIANTS[options()["decode_variant"]].get("split_rule", "waves")
         workspace_views(self.capacity, self.num_kv_heads, self.head_size,
                         workspace_dtype(vllm_config.model_config.dtype),
                         device)  # reserve before capture
@@ -243,7 +245,7 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
                                 self.device, self.prefill_from_cache)
         # split count from the batch shape only: valid for every replay of a captured graph
         splits = choose_num_splits(max(num_decodes, 1), self.num_kv_heads, self.max_model_len,
-                                   self.device, self.head_size)
+                                   self.device, self.head_size, self.split_rule)
         return NvFp4Metadata(
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
             num_decode_tokens=num_decode_tokens, num_prefills=num_prefills,
