@@ -265,7 +265,7 @@ def bench(args):
                 continue
             p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
             row = {"ctx": ctx, "batch": batch,
-                   "splits": choose_num_splits(batch, args.hkv, ctx, device)}
+                   "splits": choose_num_splits(batch, args.hkv, ctx, device, args.d)}
             cache = p.nvfp4_cache()
             out = torch.empty_like(p.q)
             row["nvfp4_ms"] = time_fn(run_nvfp4(p, cache, out, **variant), device)
@@ -318,7 +318,7 @@ def tune(args):
         p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
         cache = p.nvfp4_cache()
         out = torch.empty_like(p.q)
-        base = choose_num_splits(batch, args.hkv, ctx, device)
+        base = choose_num_splits(batch, args.hkv, ctx, device, args.d)
         for block_n in (64, 128):
             for bt_ahead, stages in pipelines:
                 for ns in sorted({max(1, base // 2), base, min(64, base * 2)}):
@@ -362,7 +362,7 @@ def ab(args):
     for batch, ctx in shapes:
         p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
         cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
-        base = choose_num_splits(batch, args.hkv, ctx, device)
+        base = choose_num_splits(batch, args.hkv, ctx, device, args.d)
         row = {"batch": batch, "ctx": ctx, "splits": base}
         variants = (("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
                     ("mma_k_bn64", dict(mma_k=True, block_n=64)),
@@ -422,8 +422,8 @@ def split_sweep(args):
             counts.setdefault(math.ceil(per_sm * sms / programs), f"{per_sm} per SM")
         for waves in (1, 2, 3):
             counts.setdefault(waves * HOPPER_PROGRAMS_PER_SM * sms // programs, f"{waves} wave(s)")
-        chosen, timed = choose_num_splits(batch, args.hkv, ctx, device), set()
-        chosen_bn = choose_block_n(chosen, device)
+        chosen, timed = choose_num_splits(batch, args.hkv, ctx, device, args.d), set()
+        chosen_bn = choose_block_n(chosen, device, args.d)
         for want, rule in sorted(counts.items()):
             ns = max(1, min(64, want, ctx // 256))
             if ns in timed:

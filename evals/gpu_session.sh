@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One stage per call of the lent H100/H200 (each call <= 10 min), after the bundle parts are
 # unpacked into /tmp/site (p1, p2, p3 in three calls: `bash .gpu/pK/install-bundle`).
-#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-unfused|step-prefill|put|calibration|write|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
+#   bash evals/gpu_session.sh parts|tests|kernel-all|pipeline|engine|runner-v1|serve|soak|real-test|serve-bench|decode|ab|splits|reliability|sanitize|kernel-tests|tune|ws|options|ws-fidelity|multiturn-off|multiturn-on|sweep-32k-fp8|sweep-32k-nvfp4|sweep-128k-fp8|sweep-128k-nvfp4|step|step-launch|step-unfused|step-prefill|put|calibration|write|capacity|e2e|qwen|qwen-scales|gsm8k|gsm8k-file|gsm8k-online|mmlu|mmlu-shard|decode-check|fidelity|fidelity-qwen|fidelity-gemma|profile
 # Writes under $OUT (or evals/results when OUT is unset).
 # `bash evals/gpu_parts.sh` makes every carried part below. Real-model weights travel in
 # parts (the per-call limit): .models/{a,b}/gguf.0N are appended to /tmp/models/g in two
@@ -138,6 +138,12 @@ case "${1:?stage}" in
                 --out "$OUT/serve_sweep_${GPU}_128k_${1#sweep-128k-}.json" 2>&1 | tail -12 ;;
   step)     timeout 560 python3 evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+4o6 --batch 16 --ctx 8192 \
                 --out "$OUT/profile_step_${GPU}.json" 2>&1 | grep -E "^  |us of GPU" ;;
+  # the one-wave decode launch (2026-12-06) against the split count before it, in an engine
+  # step at a batch it changes (8 x 32K: 6 splits of 128 tokens instead of 17 of 64); each
+  # engine's first start on a fresh machine compiles for ~150 s, so alone in its call
+  step-launch) timeout 580 python3 evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+per_sm8 \
+                --batch 8 --ctx 32768 --out "$OUT/profile_step_${GPU}_b8_32k.json" 2>&1 \
+                | grep -E "^  |us of GPU" ;;
   # K centering + rotation as torch ops (NVFP4KV_FUSE_TRANSFORMS=0) against stage step, where
   # the writer does them (the default since 2026-12-06)
   step-unfused) NVFP4KV_FUSE_TRANSFORMS=0 timeout 560 python3 evals/profile_step.py --dtypes nvfp4 \

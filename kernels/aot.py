@@ -1,8 +1,14 @@
 """Ahead-of-time compilation of the kernels as their launchers specialise them (argument
 types, 16-byte alignment, constexprs), for any NVIDIA target with Triton's bundled ptxas: no
 GPU needed. Used by tests/test_compile.py (every kernel compiles for sm_80/89/90) and
-evals/profile_decode.py (SASS of the decode loop)."""
+evals/profile_decode.py (SASS of the decode loop), and resources() gives the registers and
+programs per SM that the decode launcher's split rule assumes."""
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -133,9 +139,6 @@ SM_LIMITS = {80: (164 * 1024, 2048), 89: (100 * 1024, 1536), 90: (227 * 1024, 20
 def cuda_tool(kernel, tool: str, *args: str) -> str:
     """Output of one of Triton's bundled CUDA binary tools (nvdisasm, cuobjdump) run on a
     compiled kernel's cubin."""
-    import os
-    import subprocess
-    import tempfile
     exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -146,7 +149,6 @@ def cuda_tool(kernel, tool: str, *args: str) -> str:
 def resources(kernel, arch: int) -> dict:
     """Registers per thread, spill stack and shared memory of a kernel compiled for
     sm_<arch>, and the programs of it that fit one SM (registers, shared memory, threads)."""
-    import re
     out = cuda_tool(kernel, "cuobjdump", "-res-usage")
     regs, stack = (int(re.search(rf"{k}:(\d+)", out).group(1)) for k in ("REG", "STACK"))
     smem, threads = kernel.metadata.shared, 32 * kernel.metadata.num_warps
