@@ -417,19 +417,21 @@ def split_sweep(args):
         p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
         cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
         programs = batch * args.hkv
+        chosen = choose_num_splits(batch, args.hkv, ctx, device, args.d)
+        chosen_bn = choose_block_n(chosen, device, args.d)
         counts = {}  # split count -> how it was chosen (the first rule that gives it)
         for per_sm in (2, 3, 4, 6, 8, 12):
             counts.setdefault(math.ceil(per_sm * sms / programs), f"{per_sm} per SM")
         for waves in (1, 2, 3):
             counts.setdefault(waves * HOPPER_PROGRAMS_PER_SM * sms // programs, f"{waves} wave(s)")
-        chosen, timed = choose_num_splits(batch, args.hkv, ctx, device, args.d), set()
-        chosen_bn = choose_block_n(chosen, device, args.d)
+        counts.setdefault(chosen, "the launcher's")
+        timed = set()
         for want, rule in sorted(counts.items()):
-            ns = max(1, min(64, want, ctx // 256))
+            ns = max(1, min(64, want, math.ceil(ctx / 256)))  # as choose_num_splits clamps
             if ns in timed:
                 continue  # clamped onto a count already timed
             timed.add(ns)
-            for block_n in (64, 128):
+            for block_n in sorted({64, 128, chosen_bn}):
                 ms = time_fn(run_nvfp4(p, cache, out, num_splits=ns, block_n=block_n), device)
                 row = dict(batch=batch, ctx=ctx, rule=rule, splits=ns, block_n=block_n,
                            waves=round(ns * programs / (HOPPER_PROGRAMS_PER_SM * sms), 2),
