@@ -223,8 +223,9 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         self.window = getattr(kv_cache_spec, "sliding_window", None)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.capacity = workspace_capacity(vllm_config, self.window)
-        self.prefill_from_cache = options()["prefill_from_cache"]
-        self.split_rule = DECODE_VARIANTS[options()["decode_variant"]].get("split_rule", "waves")
+        opts = options()
+        self.prefill_from_cache = opts["prefill_from_cache"]
+        self.split_rule = DECODE_VARIANTS[opts["decode_variant"]].get("split_rule", "waves")
         workspace_views(self.capacity, self.num_kv_heads, self.head_size,
                         workspace_dtype(vllm_config.model_config.dtype),
                         device)  # reserve before capture
