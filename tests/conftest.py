@@ -23,3 +23,13 @@ import pytest  # noqa: E402
 @pytest.fixture
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _keep_default_dtype():
+    """torch's default dtype as each test found it: vLLM sets it to the model's while an
+    engine starts and leaves it there when the start fails (test_reliability's refused
+    engines), and later tests make their expectations in the default dtype."""
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
