@@ -16,11 +16,18 @@ iso-concurrency), the step time and KV bandwidth they would need. Pure arithmeti
 JSON: no GPU.
 
     python evals/serving_bound.py   # the H200 records of 2026-12-04/05 (defaults below)
+    # the H100 records of 2026-12-06 (sweep, prefill and decode step of the same commit's
+    # kernels; prefill as GPU time in 8K chunks)
+    python evals/serving_bound.py --sweep evals/results/serve_sweep_h100_32k_repeat.json \
+        --prefill evals/results/profile_prefill_h100.json \
+        --step evals/results/profile_step_h100_b8_32k.json \
+        --decode evals/results/decode_h100.json --out evals/results/serving_bound_h100_32k.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from pathlib import Path
 
 from assets import kv_bytes_per_token
@@ -55,15 +62,26 @@ def layers_of(record: dict) -> int:
     return record.get("layers") or int(record["model"].split(" layers")[0].split()[-1])
 
 
+def prefill_s_per_request(prefill: dict, in_len: int, layers: int) -> dict:
+    """One IN-token prompt's prefill time per KV dtype, scaled to the model's layers, from
+    bench_e2e.py (wall time of `requests` prompts) or profile_step.py --prefill-chunk (GPU
+    time of `batch` prompts of `ctx` tokens)."""
+    scale = layers / layers_of(prefill)
+    if "requests" in prefill:
+        return {r["kv_dtype"]: r["inputs"][str(in_len)]["prefill_s"] * scale / prefill["requests"]
+                for r in prefill["rows"]}
+    a = prefill["args"]
+    assert a["ctx"] == in_len, f"prefill profiled at {a['ctx']} tokens, the sweep has {in_len}"
+    return {r["kv_dtype"]: r["gpu_us_prefill"] / 1e6 * scale / a["batch"] for r in prefill["rows"]}
+
+
 def analyse(sweep: dict, prefill: dict, step: dict, cfg: dict, vocab: int, copy_gbps: float,
             targets: dict) -> dict:
     a = sweep["args"]
     in_len, out_len = a["input_len"], a["output_len"]
     ctx = in_len + out_len / 2  # mean context over the decode
     layers = cfg["num_hidden_layers"]
-    p_s = {r["kv_dtype"]: r["inputs"][str(in_len)]["prefill_s"] for r in prefill["rows"]}
-    p_layers = layers_of(prefill)
-    per_req = {dt: s * layers / p_layers / prefill["requests"] for dt, s in p_s.items()}
+    per_req = prefill_s_per_request(prefill, in_len, layers)
     s_layers = layers_of(step)
     scale = weight_bytes(cfg, layers, vocab) / weight_bytes(cfg, s_layers, vocab)
     non_attn = {}
@@ -98,7 +116,11 @@ def analyse(sweep: dict, prefill: dict, step: dict, cfg: dict, vocab: int, copy_
                          attention_share_of_copy=round(kv / attn / 1e9 / copy_gbps, 3)
                          if attn > 0 else None,
                          measured_ratio=round(ours["output_tok_s"]
-                                              / fp8[c_fp8]["output_tok_s"], 3)))
+                                              / fp8[c_fp8]["output_tok_s"], 3),
+                         # the most this model allows: NVFP4's attention at copy bandwidth
+                         ceiling_ratio=round(throughput(
+                             non_attn["nvfp4"] + kv / (copy_gbps * 1e9), c, out_len,
+                             per_req["nvfp4"]) / fp8[c_fp8]["output_tok_s"], 3)))
     return {"model": "X = C*OUT / (C*P + OUT*T_C); prefill and decode additive",
             "input_len": in_len, "output_len": out_len, "copy_bandwidth_GBps": copy_gbps,
             "non_attention_scale": round(scale, 3), "rows": rows, "targets": need}
@@ -124,7 +146,7 @@ def plot(res: dict, png: Path, title: str) -> None:
     ax.axhline(copy, color="gray", linestyle="--", label=f"copy bandwidth {copy:.2f} TB/s")
     ax.set_xticks(range(len(vals)), labels, fontsize=8)
     ax.set_ylabel("decode attention, implied TB/s of KV")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 110), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -136,7 +158,7 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", default=RES / "serve_sweep_h200_32k_bt_ahead.json")
     ap.add_argument("--prefill", default=RES / "options_cost_h200.json",
-                    help="bench_e2e.py result with prefill_s at the sweep's input length")
+                    help="bench_e2e.py result with prefill_s at the sweep's input length, or profile_step.py --prefill-chunk at it")
     ap.add_argument("--step", default=RES / "profile_step_h200_bt_ahead.json")
     ap.add_argument("--decode", default=RES / "decode_h200.json",
                     help="bench_decode.py result: the copy bandwidth of the same GPU model")
@@ -170,7 +192,8 @@ def main():
     for t in res["targets"]:
         print(f"{t['target']}: {t['ratio']}x FP8 at C={t['vs_fp8_at']} = {t['output_tok_s']} "
               f"tok/s needs a {t['step_ms']} ms step, attention at {t['attention_tbps']} TB/s "
-              f"({t['attention_share_of_copy']:.0%} of copy); measured {t['measured_ratio']}x")
+              f"({t['attention_share_of_copy']:.0%} of copy); measured {t['measured_ratio']}x, "
+              f"{t['ceiling_ratio']}x with attention at copy bandwidth")
     print(f"-> {args.out}, {png}")
 
 

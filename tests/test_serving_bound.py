@@ -25,11 +25,17 @@ def test_weight_bytes_llama3_8b():
     assert sb.weight_bytes(CFG, 32, 128256) == 2 * (8_030_261_248 - 128256 * 4096 - 65 * 4096)
 
 
-def test_recorded_sweep_is_reproduced():
-    res = sb.analyse(*(json.loads((sb.RES / f).read_text()) for f in (
-        "serve_sweep_h200_32k_bt_ahead.json", "options_cost_h200.json",
-        "profile_step_h200_bt_ahead.json")), CFG, 49152, 4296.7,
-        {"iso-capacity": (13, 7, 1.6)})
+@pytest.mark.parametrize("records,copy_gbps", [
+    # H200: prefill as bench_e2e's wall time
+    (("serve_sweep_h200_32k_bt_ahead.json", "options_cost_h200.json",
+      "profile_step_h200_bt_ahead.json"), 4296.7),
+    # H100: prefill as profile_step's GPU time in chunks
+    (("serve_sweep_h100_32k_repeat.json", "profile_prefill_h100.json",
+      "profile_step_h100_b8_32k.json"), 3047.2),
+])
+def test_recorded_sweep_is_reproduced(records, copy_gbps):
+    res = sb.analyse(*(json.loads((sb.RES / f).read_text()) for f in records), CFG, 49152,
+                     copy_gbps, {"iso-capacity": (13, 7, 1.6)})
     for r in res["rows"]:
         x = sb.throughput(r["step_ms"] / 1e3, r["concurrency"], 1024,
                           r["prefill_s_per_request"])
@@ -37,3 +43,7 @@ def test_recorded_sweep_is_reproduced():
         assert 0 < r["attention_ms"] < r["step_ms"]
     (t,) = res["targets"]
     assert t["attention_tbps"] > max(r["attention_tbps"] for r in res["rows"])
+    # the ceiling (attention at copy bandwidth) is above what was measured, and above the
+    # target exactly when the target needs less than the copy bandwidth
+    assert t["ceiling_ratio"] > t["measured_ratio"]
+    assert (t["ceiling_ratio"] > t["ratio"]) == (t["attention_share_of_copy"] < 1)
