@@ -274,6 +274,9 @@ def _num_sms(device: torch.device) -> int:
 # SM: 165 registers x 128 threads and 62 KB of shared memory allow 3 (the sm_90 build;
 # tests/test_compile.py checks it against the compiler).
 HOPPER_PROGRAMS_PER_SM = 3
+# how the split-KV count and tile size are chosen where the caller gives none: "waves" (one
+# wave of programs on Hopper, since 2026-12-06) or "per_sm8" (before; DECODE_VARIANTS)
+DEFAULT_SPLIT_RULE = "waves"
 
 
 def _wave_launch(device: torch.device, head_dim: int) -> bool:
@@ -282,8 +285,8 @@ def _wave_launch(device: torch.device, head_dim: int) -> bool:
     return has_wgmma(device) and head_dim == 128
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device, head_dim: int = 128, rule: str = "waves") -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                      head_dim: int = 128, rule: str = DEFAULT_SPLIT_RULE) -> int:
     """Split-KV count from the batch shape only (so a CUDA graph captured for a batch size
     stays valid for any sequence length), at least 256 tokens per split, at most 64.
     On Hopper at D = 128, where one wave of resident programs (HOPPER_PROGRAMS_PER_SM per SM)
@@ -303,7 +306,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
 
 
 def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,
-                   rule: str = "waves") -> int:
+                   rule: str = DEFAULT_SPLIT_RULE) -> int:
     """Tokens per tile: 128 on Hopper at D = 128 (as fast as 64 or faster at 110 of 116 split
     counts of the 2026-12-06 sweeps, at most 6% slower at the others); elsewhere, and under
     rule "per_sm8", short splits take 64 (an H200 with an older kernel, bench_decode --tune)."""
@@ -319,7 +322,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      num_warps: int = 4, num_stages: int | None = None,
                      use_asm: bool | None = None, mma_k: bool | None = None,
                      v_halves: bool = True, mma_v: bool | None = None,
-                     bt_ahead: bool | None = None, split_rule: str = "waves") -> torch.Tensor:
+                     bt_ahead: bool | None = None,
+                     split_rule: str = DEFAULT_SPLIT_RULE) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes

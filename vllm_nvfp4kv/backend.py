@@ -22,7 +22,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, write_cache
-from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, choose_num_splits
+from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, DEFAULT_SPLIT_RULE, choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.cache_space import CacheSpace, rotation_helps
 from vllm_nvfp4kv.calibration import (k_mid_range, k_transform, log_once, prepare_write,
@@ -225,7 +225,8 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         self.capacity = workspace_capacity(vllm_config, self.window)
         opts = options()
         self.prefill_from_cache = opts["prefill_from_cache"]
-        self.split_rule = DECODE_VARIANTS[opts["decode_variant"]].get("split_rule", "waves")
+        self.split_rule = DECODE_VARIANTS[opts["decode_variant"]].get("split_rule",
+                                                                     DEFAULT_SPLIT_RULE)
         workspace_views(self.capacity, self.num_kv_heads, self.head_size,
                         workspace_dtype(vllm_config.model_config.dtype),
                         device)  # reserve before capture
