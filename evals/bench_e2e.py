@@ -23,7 +23,6 @@ import datetime
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -33,15 +32,17 @@ MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
 
 def results_header(**fields) -> dict:
     """How a result of the dummy-weight engine runs (this script, profile_step.py) begins:
-    date, GPU, versions, the model and its layer count, then fields, then the rows."""
+    date, GPU, versions, the model and its layer count, then fields, assets.run_info (the
+    commit and NVFP4KV_* settings among others), then the rows."""
     import torch
     import vllm
+    from assets import run_info
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "vllm": vllm.__version__, "torch": torch.__version__,
             "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
             "layers": json.loads((Path(MODEL) / "config.json").read_text())["num_hidden_layers"],
-            **fields, "rows": []}
+            **fields, "run": run_info(torch.cuda.is_available()), "rows": []}
 
 
 # variant suffixes of nvfp4 -> the plugin's environment (read when the engine starts)
@@ -113,7 +114,6 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int,
                     help="token budget per step (small: long prompts prefill in chunks)")
     args = ap.parse_args()
-    import torch
     res = results_header(requests=args.requests, output_tokens=args.output_tokens,
                          max_num_batched_tokens=args.max_num_batched_tokens)
 
@@ -124,9 +124,7 @@ def main():
         except Exception as e:  # noqa: BLE001 - record the failure, keep the other dtypes
             print(dt, "failed:", e, flush=True)
             return {"kv_dtype": dt, "error": f"{type(e).__name__}: {e}"[:500]}
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from assets import rows_per_dtype, run_info
-    res["run"] = run_info(torch.cuda.is_available())
+    from assets import rows_per_dtype
     res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, measure)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))

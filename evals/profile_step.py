@@ -191,11 +191,9 @@ def main():
     ap.add_argument("--out", default="evals/results/profile_step.json")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from assets import rows_per_dtype, run_info
+    from assets import rows_per_dtype
     from bench_e2e import results_header
-    import torch
     res = results_header(args=vars(args))
-    res["run"] = run_info(on_gpu=torch.cuda.is_available())
     if args.prefill_chunk:
         res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: profile_prefill(
             dt, args.batch, args.ctx, args.prefill_chunk, args.top))
