@@ -158,7 +158,8 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", default=RES / "serve_sweep_h200_32k_bt_ahead.json")
     ap.add_argument("--prefill", default=RES / "options_cost_h200.json",
-                    help="bench_e2e.py result with prefill_s at the sweep's input length, or profile_step.py --prefill-chunk at it")
+                    help="bench_e2e.py result with prefill_s at the sweep's input length, "
+                         "or profile_step.py --prefill-chunk at it")
     ap.add_argument("--step", default=RES / "profile_step_h200_bt_ahead.json")
     ap.add_argument("--decode", default=RES / "decode_h200.json",
                     help="bench_decode.py result: the copy bandwidth of the same GPU model")
