@@ -35,7 +35,7 @@ import assets  # noqa: E402
 
 from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
 from vllm_nvfp4kv.kernels.decode import (DECODE_VARIANTS, HOPPER_PROGRAMS_PER_SM,  # noqa: E402
-                                         choose_block_n, choose_num_splits)
+                                         choose_block_n, choose_num_splits, clamp_splits)
 
 # K+V, D=128; int4: [K(64) | K scale+zero-point(4) | V(64) | V scale+zero-point(4)];
 # tq4 (turboquant_4bit_nc): [K codebook indices(64) + norm(2) | V(64) + scale+zero(4)]
@@ -427,7 +427,7 @@ def split_sweep(args):
         counts.setdefault(chosen, "the launcher's")
         timed = set()
         for want, rule in sorted(counts.items()):
-            ns = max(1, min(64, want, math.ceil(ctx / 256)))  # as choose_num_splits clamps
+            ns = clamp_splits(want, ctx)  # as choose_num_splits does
             if ns in timed:
                 continue  # clamped onto a count already timed
             timed.add(ns)

@@ -279,10 +279,15 @@ HOPPER_PROGRAMS_PER_SM = 3
 DEFAULT_SPLIT_RULE = "waves"
 
 
-def _wave_launch(device: torch.device, head_dim: int) -> bool:
-    """Where the one-wave launch rules below were measured: Hopper's kernel at D = 128 (the
-    interpreter follows it, as has_wgmma)."""
-    return has_wgmma(device) and head_dim == 128
+def _wave_launch(device: torch.device, head_dim: int, rule: str) -> bool:
+    """Whether the one-wave launch applies: rule "waves" where it was measured, Hopper's
+    kernel at D = 128 (the interpreter follows it, as has_wgmma)."""
+    return rule == "waves" and has_wgmma(device) and head_dim == 128
+
+
+def clamp_splits(want: int, max_seq_len: int) -> int:
+    """A split count kept in [1, 64] and to at least 256 tokens per split."""
+    return max(1, min(64, want, math.ceil(max_seq_len / 256)))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
@@ -300,9 +305,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
     programs = max(1, batch * num_kv_heads)
     sms = _num_sms(device)
     one_wave = (HOPPER_PROGRAMS_PER_SM * sms // programs
-                if rule == "waves" and _wave_launch(device, head_dim) else 0)
+                if _wave_launch(device, head_dim, rule) else 0)
     want = one_wave if one_wave >= 4 else math.ceil(8 * sms / programs)
-    return max(1, min(64, want, math.ceil(max_seq_len / 256)))
+    return clamp_splits(want, max_seq_len)
 
 
 def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,
@@ -310,8 +315,7 @@ def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,
     """Tokens per tile: 128 on Hopper at D = 128 (as fast as 64 or faster at 110 of 116 split
     counts of the 2026-12-06 sweeps, at most 6% slower at the others); elsewhere, and under
     rule "per_sm8", short splits take 64 (an H200 with an older kernel, bench_decode --tune)."""
-    wave = rule == "waves" and _wave_launch(device, head_dim)
-    return 128 if wave or num_splits < 16 else 64
+    return 128 if _wave_launch(device, head_dim, rule) or num_splits < 16 else 64
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
