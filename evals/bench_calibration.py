@@ -3,22 +3,18 @@ calibration holds one guard kernel per layer (vllm_nvfp4kv/calibration.py). Time
 --layers guards per replay once the layers are calibrated (each guard returns at once), and
 the one replay that calibrates (flags 0).
 
-    python evals/bench_calibration.py      # needs CUDA; no vLLM
+    python -P -m evals.bench_calibration      # needs CUDA; no vLLM
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import assets  # noqa: E402
-
-from vllm_nvfp4kv import calibration as cal  # noqa: E402
+from evals import common
+from vllm_nvfp4kv import calibration as cal
 
 
 def bench(layers: int, batch: int, heads: int, head_dim: int, reps: int = 200) -> dict:
@@ -71,12 +67,11 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = [bench(args.layers, b, 8, 128) for b in (1, 64, 512)]
-    res = {"run": assets.run_info(on_gpu=True), "rows": rows}
+    res = {"run": common.run_info(on_gpu=True), "rows": rows}
     for r in rows:
         print(json.dumps(r))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        common.write_json(args.out, res)
 
 
 if __name__ == "__main__":

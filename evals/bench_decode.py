@@ -8,18 +8,16 @@ layer. Each timing is the median of CUDA-graph replays (triton.testing.do_bench_
 Effective bandwidth = KV bytes read (+ q, out) / time, compared with the device copy bandwidth
 (read + write of a 4 GiB clone) measured in the same run. Writes JSON and a PNG plot.
 
-    python evals/bench_decode.py --out evals/results/decode_h200.json
-    python evals/bench_decode.py --tune            # block/warps/stages sweep on a few shapes
-    python evals/bench_decode.py --toy             # CPU, Triton interpreter, tiny sizes
+    python -P -m evals.bench_decode --out evals/results/decode_h200.json
+    python -P -m evals.bench_decode --tune         # block/warps/stages sweep on a few shapes
+    python -P -m evals.bench_decode --toy          # CPU, Triton interpreter, tiny sizes
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import sys
 import time
 
@@ -30,9 +28,7 @@ if __name__ == "__main__" and "--toy" in sys.argv:
 
 import triton  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import assets  # noqa: E402
-
+from evals import common  # noqa: E402
 from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
 from vllm_nvfp4kv.kernels.decode import (DECODE_VARIANTS, HOPPER_PROGRAMS_PER_SM,  # noqa: E402
                                          choose_block_n, choose_num_splits, clamp_splits)
@@ -180,17 +176,8 @@ def check(args, device, **kw) -> dict[int, float]:
 
 def header(args, device) -> dict:
     """What every results file starts with: date, device, versions, shape."""
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-           "torch": torch.__version__, "triton": triton.__version__,
-           "heads": [args.hq, args.hkv, args.d], "page": args.page, "rows": [],
-           "run": assets.run_info(device.type == "cuda")}  # the commit, among others
-    try:
-        import vllm
-        res["vllm"] = vllm.__version__
-    except Exception:
-        pass
-    return res
+    return common.results_header(device.type == "cuda", triton=triton.__version__,
+                                 heads=[args.hq, args.hkv, args.d], page=args.page)
 
 
 def tq4_fn(p: Problem, kv: torch.Tensor | None = None):
@@ -450,9 +437,7 @@ def split_sweep(args):
 
 
 def plot(res, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     rows = res["rows"]
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -539,15 +524,13 @@ def main():
     global ONCE
     ONCE = args.once
     if args.table:
-        print_markdown(json.load(open(args.table)))
+        print_markdown(common.read_json(args.table))
         return
     if args.toy:
         args.ctx, args.batch, args.hq, args.hkv = [64, 200], [1, 2], 4, 1
     res = (tune(args) if args.tune else ab(args) if args.ab
            else split_sweep(args) if args.split_sweep else bench(args))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    common.write_json(args.out, res)
     if args.ab or args.split_sweep:
         return
     if not args.tune and res["rows"]:

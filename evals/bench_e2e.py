@@ -3,46 +3,38 @@
 requests of a fixed input length; decode time = time(O output tokens) - time(1 output token).
 Also records the backend vLLM chose and the KV capacity in tokens.
 
-    python evals/bench_e2e.py --out evals/results/e2e_h200.json --inputs 8192 32768
+    python -P -m evals.bench_e2e --out evals/results/e2e_h200.json --inputs 8192 32768
 
 Prefill workspace, BF16 vs FP8 (`NVFP4KV_WORKSPACE_DTYPE`): with a small token budget every
 chunk after the first attends over the cached prefix through the workspace, so the prefill
 time of long prompts measures the gather + attention path of each workspace dtype:
 
-    python evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+fp8ws --inputs 32768 \\
+    python -P -m evals.bench_e2e --dtypes fp8 nvfp4 nvfp4+fp8ws --inputs 32768 \\
         --max-num-batched-tokens 2048 --output-tokens 2 --requests 8
 
 What the accuracy options cost (each variant a fresh engine process; "+" joins options):
 
-    python evals/bench_e2e.py --dtypes fp8 nvfp4 nvfp4+norot nvfp4+4o6 nvfp4+amax6 nvfp4+norot+amax6
+    python -P -m evals.bench_e2e --dtypes fp8 nvfp4 nvfp4+norot nvfp4+4o6 nvfp4+amax6 nvfp4+norot+amax6
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
 import time
-from pathlib import Path
+
+from evals import common
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
+MODEL = common.LLAMA3_8B_8LAYERS
 
 
 def results_header(**fields) -> dict:
     """How a result of the dummy-weight engine runs (this script, profile_step.py) begins:
-    date, GPU, versions, the model and its layer count, then fields, assets.run_info (the
-    commit and NVFP4KV_* settings among others), then the rows."""
-    import torch
-    import vllm
-    from assets import run_info
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "vllm": vllm.__version__, "torch": torch.__version__,
-            "model": "Llama-3-8B-shaped, 8 layers, dummy weights",
-            "layers": json.loads((Path(MODEL) / "config.json").read_text())["num_hidden_layers"],
-            **fields, "run": run_info(torch.cuda.is_available()), "rows": []}
+    common.results_header with the model and its layer count before fields."""
+    return common.results_header(
+        model="Llama-3-8B-shaped, 8 layers, dummy weights",
+        layers=common.read_json(MODEL / "config.json")["num_hidden_layers"], **fields)
 
 
 # variant suffixes of nvfp4 -> the plugin's environment (read when the engine starts)
@@ -65,17 +57,25 @@ def apply_options(variant: str) -> str:
     return kv_dtype
 
 
+def engine(variant: str, max_model_len: int, gpu_memory_utilization: float = 0.85, **extra):
+    """vLLM in this process (dummy weights, MODEL) for a kv_cache_dtype, or nvfp4 with
+    options (apply_options)."""
+    from vllm import LLM
+    return LLM(model=str(MODEL), load_format="dummy", skip_tokenizer_init=True,
+               dtype="bfloat16", kv_cache_dtype=apply_options(variant),
+               max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+               enable_prefix_caching=False, seed=0, **extra)
+
+
 def run(variant: str, inputs: list[int], n: int, out_tokens: int, gpu_util: float,
         max_batched: int | None = None) -> dict:
     """variant: as apply_options."""
     import torch
-    from vllm import LLM, SamplingParams
-    kv_dtype = apply_options(variant)
+    from vllm import SamplingParams
+    kv_dtype = variant.split("+")[0]
     t0 = time.time()
     extra = dict(max_num_batched_tokens=max_batched) if max_batched else {}
-    llm = LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              kv_cache_dtype=kv_dtype, max_model_len=max(inputs) + out_tokens + 16,
-              gpu_memory_utilization=gpu_util, enable_prefix_caching=False, seed=0, **extra)
+    llm = engine(variant, max(inputs) + out_tokens + 16, gpu_util, **extra)
     cfg = llm.llm_engine.vllm_config.cache_config
     row = {"kv_dtype": variant, "startup_s": round(time.time() - t0, 1),
            "kv_capacity_tokens": cfg.num_gpu_blocks * cfg.block_size, "inputs": {}}
@@ -124,10 +124,8 @@ def main():
         except Exception as e:  # noqa: BLE001 - record the failure, keep the other dtypes
             print(dt, "failed:", e, flush=True)
             return {"kv_dtype": dt, "error": f"{type(e).__name__}: {e}"[:500]}
-    from assets import rows_per_dtype
-    res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, measure)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    res["rows"] = common.rows_per_dtype("evals.bench_e2e", args.dtypes, args.out, measure)
+    common.write_json(args.out, res)
     print(f"{'kv':>12} {'capacity':>10} " + " ".join(f"{'in' + str(i):>18}" for i in args.inputs))
     for r in res["rows"]:
         if "error" in r:

@@ -6,25 +6,20 @@ the defaults do on a model with K outlier channels, or not transformed. Median o
 replays (bench_decode.time_fn: launch overhead, which the kernel also cuts, is not counted).
 Writes JSON and a PNG plot.
 
-    python evals/bench_workspace_put.py --out evals/results/workspace_put_h100.json
-    python evals/bench_workspace_put.py --plot-only --out evals/results/workspace_put_h200.json
+    python -P -m evals.bench_workspace_put --out evals/results/workspace_put_h100.json
+    python -P -m evals.bench_workspace_put --plot-only --out evals/results/workspace_put_h200.json
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import assets  # noqa: E402
-from bench_decode import time_fn  # noqa: E402
-
-from vllm_nvfp4kv.cache_space import CacheSpace  # noqa: E402
-from vllm_nvfp4kv.prefill import _put_chunk  # noqa: E402
+from evals import common
+from evals.bench_decode import time_fn
+from vllm_nvfp4kv.cache_space import CacheSpace
+from vllm_nvfp4kv.prefill import _put_chunk
 
 
 def bench(tokens: int, heads: int, d: int, transforms: bool, ws_dtype, device) -> dict:
@@ -51,9 +46,7 @@ def bench(tokens: int, heads: int, d: int, transforms: bool, ws_dtype, device) -
 
 
 def plot(res: dict, png: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     rows = res["rows"]
     labels = [f"{r['tokens']} tok, {r['workspace']}" + (", K centered+rotated"
                                                          if r["transforms"] else "")
@@ -82,16 +75,15 @@ def main():
     args = ap.parse_args()
     png = str(Path(args.out).with_suffix(".png"))
     if args.plot_only:
-        plot(json.loads(Path(args.out).read_text()), png)
+        plot(common.read_json(args.out), png)
         return
     device = torch.device("cuda")
-    res = {"kv_heads": 8, "head_dim": 128, "run": assets.run_info(True), "rows": []}
+    res = {"kv_heads": 8, "head_dim": 128, "run": common.run_info(True), "rows": []}
     for t in args.tokens:
         for transforms in (True, False):
             for ws in (torch.bfloat16, torch.float8_e4m3fn):
                 res["rows"].append(bench(t, 8, 128, transforms, ws, device))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    common.write_json(args.out, res)
     plot(res, png)
     print(f"{res['run']['device']}: us per chunk put (K and V), 8 KV heads x 128")
     print("| tokens | K centered + rotated | workspace | torch | put_rows | speed-up | GB/s |")

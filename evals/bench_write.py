@@ -5,15 +5,14 @@ rotation fused into the writer, and (--tokens-per-program) per writer launch sha
 (cache_write.tokens_per_program_for picks one by default). Median of CUDA-graph replays
 (bench_decode.time_fn); writes JSON and a PNG plot.
 
-    python evals/bench_write.py --out evals/results/write_h200.json
-    python evals/bench_write.py --tokens-per-program 1 2 4 8 --out evals/results/write_bt_h200.json
-    python evals/bench_write.py --toy        # CPU, Triton interpreter, one tiny shape
-    python evals/bench_write.py --tokens 8192 --engine-layout   # K/V as a prefill passes them
+    python -P -m evals.bench_write --out evals/results/write_h200.json
+    python -P -m evals.bench_write --tokens-per-program 1 2 4 8 --out evals/results/write_bt_h200.json
+    python -P -m evals.bench_write --toy     # CPU, Triton interpreter, one tiny shape
+    python -P -m evals.bench_write --tokens 8192 --engine-layout   # K/V as a prefill passes them
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -23,10 +22,8 @@ if __name__ == "__main__" and "--toy" in sys.argv:
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import assets  # noqa: E402
-from bench_decode import time_fn  # noqa: E402
-
+from evals import common  # noqa: E402
+from evals.bench_decode import time_fn  # noqa: E402
 from vllm_nvfp4kv.kernels import kv_cache_shape, write_cache  # noqa: E402
 from vllm_nvfp4kv.kernels.cache_write import tokens_per_program_for  # noqa: E402
 from vllm_nvfp4kv.kernels.format import BLOCK_SCALE_RULES  # noqa: E402
@@ -63,9 +60,7 @@ def bench(tokens: int, heads: int, d: int, rule: str, fused: bool, bt: int, devi
 
 
 def plot(res: dict, png: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     shapes = sorted({r["tokens"] for r in res["rows"]})
     tall = 3.2 * max(1, len({r["tokens_per_program"] for r in res["rows"]}) / 2)
     fig, axes = plt.subplots(1, len(shapes), figsize=(3.4 * len(shapes), tall), squeeze=False)
@@ -100,13 +95,13 @@ def main():
     if args.toy:
         args.tokens, args.heads = [2], 1
     res = {"heads": args.heads, "head_dim": args.head_dim, "engine_layout": args.engine_layout,
-           "run": assets.run_info(on_gpu), "rows": []}
+           "run": common.run_info(on_gpu), "rows": []}
     for t in args.tokens:
         bts = sorted({b or tokens_per_program_for(t, args.heads, rule)
                       for b in args.tokens_per_program for rule in BLOCK_SCALE_RULES})
         # the writer is instruction-bound: its time follows the SM clock (profile_step
         # records the clock it gets inside an engine step)
-        with assets.sm_clock_mhz() as clock:
+        with common.sm_clock_mhz() as clock:
             for fused in (False, True):
                 for bt in bts:
                     for rule in BLOCK_SCALE_RULES:
@@ -117,8 +112,7 @@ def main():
                                             "launcher_default":
                                                 bt == tokens_per_program_for(t, args.heads, rule)})
         res.setdefault("sm_clock_mhz", {})[str(t)] = clock
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1))  # kept if a later size times out
+        common.write_json(args.out, res)  # kept if a later size times out
     plot(res, str(Path(args.out).with_suffix(".png")))
     print(f"{res['run']['device']}: us per write ({args.heads} KV heads, D={args.head_dim})")
     print("| tokens | fused K transforms | tokens per program | "

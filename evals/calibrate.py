@@ -7,8 +7,8 @@ from the first rows evals/fidelity.py and lm-eval score. Each text is prefilled 
 and the scales file gets 2**ceil(log2(headroom * amax / 2688)) per layer and side. The generic
 command is `python -m vllm_nvfp4kv.calibration --model DIR --texts FILE.jsonl --out F.json`.
 
-    python evals/calibrate.py --out evals/results/scales_smollm2.json
-    NVFP4KV_SCALES_FILE=evals/results/scales_smollm2.json python evals/generate.py
+    python -P -m evals.calibrate --out evals/results/scales_smollm2.json
+    NVFP4KV_SCALES_FILE=evals/results/scales_smollm2.json python -P -m evals.generate
 
 --study (CPU): the data behind the rule. Records the K/V the writer gets (K rotated, as
 cached) while the first --texts GSM8K texts run in 32-token chunks, then per layer and side
@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from pathlib import Path
+
+from evals import assets, common, fidelity
 
 
 def main():
@@ -35,14 +35,12 @@ def main():
     ap.add_argument("--smooth-k", action="store_true", help="also per-channel K smoothing")
     ap.add_argument("--study", action="store_true", help="the rule study (see above)")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    on_gpu = __import__("assets").engine_env()
-    import fidelity
+    on_gpu = common.engine_env()
     from vllm_nvfp4kv import calibration
-    model = args.model or str(__import__("assets").smollm2())
+    model = args.model or str(assets.smollm2())
     if args.study:
         return study(model, fidelity.gsm8k_texts(args.texts), args.out)
-    rows = [json.loads(x) for x in fidelity.gsm8k_path().read_text().splitlines()]
+    rows = fidelity.gsm8k_rows()
     texts = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows[-args.texts:]]
     kw = dict(gpu_memory_utilization=0.5) if on_gpu else dict(kv_cache_memory_bytes=256 << 20)
     res = calibration.calibrate(model, texts, args.out,
@@ -126,7 +124,7 @@ def study(model: str, texts: list[str], out: str) -> None:
         print(name, json.dumps({k: v for k, v in res["sides"][name].items()
                                 if k != "layers_amax"}, indent=1))
         assert all(math.isfinite(e) for e in errs.values())
-    Path(out).write_text(json.dumps(res, indent=1))
+    common.write_json(out, res)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ generates: every new token reads the whole context from the cache through the de
 run before the first difference. A broken decode path shows as near-zero agreement and
 garbage text; a sound lossy cache as long common prefixes that drift apart later.
 
-    python evals/decode_check.py --model qwen --dtypes auto nvfp4 nvfp4+eager \\
+    python -P -m evals.decode_check --model qwen --dtypes auto nvfp4 nvfp4+eager \\
         --out evals/results/decode_check_qwen_h200.json
 
 Dtype tokens: auto, fp8, nvfp4; `+eager` adds enforce_eager (no CUDA graphs, no compile);
@@ -17,19 +17,14 @@ the defaults, online K centering included).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import assets  # noqa: E402
-from fidelity import gsm8k_path  # noqa: E402
+from evals import assets, common
+from evals.fidelity import gsm8k_rows
 
 
 def questions(n: int) -> list[str]:
-    rows = [json.loads(x) for x in gsm8k_path().read_text().splitlines()[:n]]
-    return [f"Question: {r['question']}\nAnswer:" for r in rows]
+    return [f"Question: {r['question']}\nAnswer:" for r in gsm8k_rows()[:n]]
 
 
 def generate(model: str, token: str, prompts: list[str], max_tokens: int, on_gpu: bool) -> dict:
@@ -69,20 +64,19 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", default="evals/results/decode_check.json")
     args = ap.parse_args()
-    on_gpu = assets.engine_env()
+    on_gpu = common.engine_env()
     model = {"smollm2": assets.smollm2, "qwen": assets.qwen_coder}.get(
         args.model, lambda: args.model)()
     prompts = questions(args.questions)
-    rows = assets.rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: generate(
+    rows = common.rows_per_dtype("evals.decode_check", args.dtypes, args.out, lambda dt: generate(
         str(model), dt, prompts, args.max_tokens, on_gpu))
     ref = next((r for r in rows if r.get("kv_dtype") == "auto" and "token_ids" in r), None)
     for r in rows:
         if ref is not None and "token_ids" in r:
             r.update(agreement(ref["token_ids"], r["token_ids"]))
-    res = {**assets.run_info(on_gpu), "model": str(model), "questions": args.questions,
+    res = {**common.run_info(on_gpu), "model": str(model), "questions": args.questions,
            "max_tokens": args.max_tokens, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    common.write_json(args.out, res)
     print("| KV dtype | tokens equal to BF16 before the first difference | first answer |")
     print("|---|---:|---|")
     for r in rows:

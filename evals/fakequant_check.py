@@ -3,7 +3,7 @@ transformers (fp32, eager attention) scores the same texts with exact K/V and wi
 value quantized-dequantized by kernels/reference.py (NVFP4, global scale 1.0) — an upper bound
 on the cache's error, since the engine keeps the current chunk's own K/V exact.
 
-    python evals/fakequant_check.py --out evals/results/fakequant_smollm2_cpu.json
+    python -P -m evals.fakequant_check --out evals/results/fakequant_smollm2_cpu.json
 
 --variants also tries K transforms before quantization (undone after, as Q would absorb
 them): `rotate` (the plugin's Hadamard rotation of K), `smooth` (the plugin's per-channel K
@@ -14,7 +14,7 @@ per-channel mid-range of the same calibration texts; the scores move by q.mu for
 `center+smooth`. For models whose K has
 outlier channels (Qwen2's k_proj bias), which 4-bit blocks of 16 cannot hold:
 
-    python evals/fakequant_check.py --model qwen --variants plain rotate smooth smooth+rotate \\
+    python -P -m evals.fakequant_check --model qwen --variants plain rotate smooth smooth+rotate \\
         --out evals/results/fakequant_qwen2.5_coder_1.5b_cpu.json
 
 --block-scales: the writer's block-scale rules to try (kernels/format.py; default amax6, the
@@ -22,7 +22,7 @@ seed's), each with every variant. Every row also gets its next-token KL divergen
 exact run (full vocabulary) and top-1 agreement: deterministic, unlike the engine's, whose
 per-layer choices come from each run's first batch. What chose the default rule:
 
-    python evals/fakequant_check.py --variants plain rotate --block-scales amax6 4over6 search \\
+    python -P -m evals.fakequant_check --variants plain rotate --block-scales amax6 4over6 search \\
         --out evals/results/fakequant_block_scales_smollm2_cpu.json
 """
 from __future__ import annotations
@@ -31,10 +31,11 @@ import argparse
 import importlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
+
+from evals import assets, common, fidelity
 
 MODELS = {"smollm2": ("smollm2", "llama"), "qwen": ("qwen_coder", "qwen2")}
 
@@ -51,9 +52,6 @@ def main():
                     choices=["amax6", "4over6", "search"])
     ap.add_argument("--out", default="evals/results/fakequant.json")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import assets
-    import fidelity
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_nvfp4kv.kernels import reference
@@ -129,7 +127,7 @@ def main():
             acc["tokens"] += len(target)
     res = {"model": Path(path).name, "texts": args.texts, "calib_texts": args.calib_texts,
            "device": "cpu", "torch": torch.__version__,
-           "run": assets.run_info(False), "rows": []}
+           "run": common.run_info(False), "rows": []}
     for (variant, rule), acc in zip(rows, sums):
         name = {None: "exact", "plain": "nvfp4 fake-quant (all K/V)"}.get(
             variant, f"nvfp4 fake-quant, K {variant}")
@@ -138,8 +136,7 @@ def main():
                "ppl": math.exp(acc["nll"] / n), "kl": acc["kl"] / n, "top1": acc["top1"] / n}
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    common.write_json(args.out, res)
 
 
 if __name__ == "__main__":

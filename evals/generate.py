@@ -3,14 +3,14 @@
 Default model: SmolLM2-135M-Instruct from the package index (evals/assets.py), on the GPU when
 there is one and on the CPU otherwise. Prints the answers and the KV capacity against FP8.
 
-    python evals/generate.py [--model DIR] [--kv-cache-dtype nvfp4] [--max-tokens 48]
+    python -P -m evals.generate [--model DIR] [--kv-cache-dtype nvfp4] [--max-tokens 48]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
+
+from evals import assets, common
 
 PROMPTS = [
     "What is the capital of France?",
@@ -25,9 +25,8 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="nvfp4")
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    on_gpu = __import__("assets").engine_env()  # spawn on GPU, in-process engine on CPU
-    model = args.model or str(__import__("assets").smollm2())
+    on_gpu = common.engine_env()  # spawn on GPU, in-process engine on CPU
+    model = args.model or str(assets.smollm2())
     from vllm import LLM, SamplingParams
     kw = dict(gpu_memory_utilization=0.5) if on_gpu else dict(
         kv_cache_memory_bytes=256 << 20, enforce_eager=True, max_num_seqs=8)

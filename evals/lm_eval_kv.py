@@ -51,15 +51,15 @@ starts included, so the whole MMLU (~70 min) runs in shards, one 10-minute call 
 `--offset N --limit M` scores questions [N, N + M) of the fixed order, and `--join` then
 concatenates the shards of each dtype (and checks they cover the same questions).
 
-    python evals/lm_eval_kv.py --limit 8                                   # GSM8K, CPU smoke
-    python evals/lm_eval_kv.py --task mmlu --limit 40 --dtypes auto nvfp4   # MMLU, CPU smoke
-    python evals/lm_eval_kv.py --model qwen --dtypes fp8 nvfp4 \\
+    python -P -m evals.lm_eval_kv --limit 8                                   # GSM8K, CPU smoke
+    python -P -m evals.lm_eval_kv --task mmlu --limit 40 --dtypes auto nvfp4   # MMLU, CPU smoke
+    python -P -m evals.lm_eval_kv --model qwen --dtypes fp8 nvfp4 \\
         --out evals/results/gsm8k_qwen_h200.json                            # GPU, GSM8K
-    python evals/lm_eval_kv.py --task mmlu --model qwen --dtypes fp8 nvfp4 --limit 1000 \\
+    python -P -m evals.lm_eval_kv --task mmlu --model qwen --dtypes fp8 nvfp4 --limit 1000 \\
         --out evals/results/mmlu_qwen_h200.json                             # GPU, MMLU
-    python evals/lm_eval_kv.py --task mmlu --model qwen --dtypes nvfp4 --offset 1000 \\
+    python -P -m evals.lm_eval_kv --task mmlu --model qwen --dtypes nvfp4 --offset 1000 \\
         --limit 4000 --out mmlu_1000.json                                   # a shard
-    python evals/lm_eval_kv.py --task mmlu --join mmlu_qwen_h200.json mmlu_1000.json ... \\
+    python -P -m evals.lm_eval_kv --task mmlu --join mmlu_qwen_h200.json mmlu_1000.json ... \\
         --out evals/results/mmlu_qwen_h200_full.json
 """
 from __future__ import annotations
@@ -70,11 +70,12 @@ import importlib.util
 import json
 import os
 import random
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from evals import assets, common, fidelity
 
 SHOTS = 5  # both tasks
 MMLU_SEED = 1234  # the order of the scored MMLU questions
@@ -147,8 +148,6 @@ def mmlu_path() -> Path:
 
 
 def _write_gsm8k(d: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import fidelity
     rows = fidelity.gsm8k_path().read_text().splitlines()
     (d / "shots.jsonl").write_text("\n".join(rows[:SHOTS]) + "\n")
     (d / "test.jsonl").write_text("\n".join(rows[SHOTS:]) + "\n")
@@ -425,21 +424,19 @@ def main():
     if args.join:
         if not args.out:
             ap.error("--join needs --out")
-        res = join([json.loads(Path(f).read_text()) for f in args.join], args.join)
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        res = join([common.read_json(f) for f in args.join], args.join)
+        common.write_json(args.out, res)
         print(table(res))
         return
     t = TASKS[args.task]
     out = Path(args.out or f"evals/results/{args.task}.json")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    assets = __import__("assets")
-    on_gpu = assets.engine_env()
+    on_gpu = common.engine_env()
     extra = "gpu_memory_utilization=0.8" if on_gpu else \
         "enforce_eager=True,kv_cache_memory_bytes=268435456,max_num_seqs=8"
     model = str(assets.MODELS.get(args.model or "smollm2", lambda: args.model)())
     tasks = write_task(args.task, Path(args.tasks_dir))
     chunk = t.prefill_chunk if args.prefill_chunk is None else args.prefill_chunk
-    res = {**assets.run_info(on_gpu), "model": model,
+    res = {**common.run_info(on_gpu), "model": model,
            "task": args.task, "lm_eval_task": t.name, "description": t.description,
            "metric": f"{t.metric},{t.filter}", "offset": args.offset, "limit": args.limit,
            "scored_without_limit": t.scored, "prefill_chunk": chunk,
@@ -460,8 +457,7 @@ def main():
         print(json.dumps({k: v for k, v in row.items() if not k.startswith("per_doc")}),
               flush=True)
         add_paired_differences(res["rows"])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))  # after each dtype: partial runs survive
+        common.write_json(out, res)  # after each dtype: partial runs survive
     print(table(res))
 
 

@@ -36,18 +36,18 @@ on a CPU machine `--offload on` rows record that refusal.
     # with two servers; evals/gpu_session.sh multiturn-off|multiturn-on), then join the
     # calls' files on any machine (--combine refuses different workloads or GPU models; the
     # workload is rebuilt bit for bit by --workload-only --sizes gpu, its sha256 is in the JSON):
-    python evals/multiturn.py --dtypes fp8 nvfp4 --offload off --budget-s 430 \\
+    python -P -m evals.multiturn --dtypes fp8 nvfp4 --offload off --budget-s 430 \\
         --workload /tmp/multiturn_gpu.workload.jsonl --out evals/results/multiturn_h100_off.json
-    python evals/multiturn.py --dtypes fp8 nvfp4 --offload on --budget-s 430 \\
+    python -P -m evals.multiturn --dtypes fp8 nvfp4 --offload on --budget-s 430 \\
         --workload /tmp/multiturn_gpu.workload.jsonl --out evals/results/multiturn_h100_on.json
-    python evals/multiturn.py --combine evals/results/multiturn_h100_{off,on}.json \\
+    python -P -m evals.multiturn --combine evals/results/multiturn_h100_{off,on}.json \\
         --out evals/results/multiturn_h100.json
     # CPU (SmolLM2-135M, tiny sizes; offload on only records vLLM's refusal):
-    python evals/multiturn.py --dtypes auto nvfp4 --offload off on \\
+    python -P -m evals.multiturn --dtypes auto nvfp4 --offload off on \\
         --out evals/results/multiturn_cpu.json
     # the workload only (--sizes gpu: the GPU run's, bit for bit) / plot an existing result:
-    python evals/multiturn.py --workload-only --sizes gpu --out /tmp/mt.json
-    python evals/multiturn.py --plot-only --out evals/results/multiturn_cpu.json
+    python -P -m evals.multiturn --workload-only --sizes gpu --out /tmp/mt.json
+    python -P -m evals.multiturn --plot-only --out evals/results/multiturn_cpu.json
 """
 from __future__ import annotations
 
@@ -59,16 +59,14 @@ import math
 import os
 import random
 import re
-import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from server import (Server, completion_result, cpu_env, offline_report,  # noqa: E402
-                    prometheus, report, serve_cmd, sse_events)
+from evals import assets, common
+from evals.server import (Server, completion_result, cpu_env, metrics, offline_report, report,
+                          serve_cmd, sse_events)
 
 FIRST_TOKEN_ID = 100  # token ids are drawn from [100, vocab - 100): no special tokens
 
@@ -124,7 +122,7 @@ def write_workload(w: dict, path: Path) -> None:
 
 def read_workload(path: Path) -> dict:
     header, sessions = None, []
-    for line in Path(path).read_text().splitlines():
+    for line in common.read_text(path).splitlines():
         rec = json.loads(line)
         kind = rec.pop("type")
         if kind == "header":
@@ -181,21 +179,6 @@ def stream_completion(port: int, body: dict, timeout: float) -> dict:
         return {"status": "completed", "token_ids": ids, "usage": usage, "ttft_s": ttft,
                 "latency_s": time.time() - t0, "finish_reason": finish}
     return completion_result(port, body, timeout, read)
-
-
-def metrics(port: int) -> tuple[dict[str, float], dict[str, str]]:
-    """The server's vllm: counters and gauges summed over labels (a counter's _total suffix
-    dropped), and the labels of vllm:cache_config_info."""
-    out, cache_info = {}, {}
-    for name, labels, val in prometheus(port):
-        if name.endswith("_created"):
-            continue
-        name = name.removesuffix("_total")
-        if name == "vllm:cache_config_info":
-            cache_info = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-            continue
-        out[name] = out.get(name, 0.0) + val
-    return out, cache_info
 
 
 def reset_prefix_cache(port: int, tries: int = 10) -> bool:
@@ -356,9 +339,7 @@ def combine(parts: list[dict], files: list[str]) -> dict:
 
 
 def plot(res: dict, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     rows = [r for r in res["rows"] if r.get("turns_completed")]
     series: dict[tuple, list] = {}
     for r in rows:
@@ -476,15 +457,8 @@ def main():
     def gc(g, c):  # the GPU or the CPU default
         return g if big else c
 
-    import assets
     dummy = args.model is None and on_gpu
-    if args.model:
-        model = args.model
-    elif on_gpu:
-        from serve_bench import llama8b_with_tokenizer
-        model = str(llama8b_with_tokenizer())
-    else:
-        model = str(assets.smollm2())
+    model = assets.serving_model(args.model, on_gpu)
     cfg = json.loads((Path(model) / "config.json").read_text())
     args.dtypes = args.dtypes or gc(["fp8", "nvfp4"], ["auto", "nvfp4"])
     args.concurrency = args.concurrency or gc([2, 8, 16], [1, 4])
@@ -519,25 +493,16 @@ def main():
         raise SystemExit("workload prompts exceed its max_history")
 
     import vllm
-    if on_gpu:
-        device = torch.cuda.get_device_name()
-    else:
-        import platform
-        cpu = next((x.split(":", 1)[1].strip() for x in
-                    Path("/proc/cpuinfo").read_text().splitlines()
-                    if x.startswith("model name")), platform.processor())
-        device = f"cpu ({cpu}, {os.cpu_count()} cores)"
-    res = {"device": device, "vllm": vllm.__version__, "torch": torch.__version__,
+    res = {"device": common.device_name(on_gpu), "vllm": vllm.__version__, "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model,
            "model_label": "Llama-3-8B shape, dummy weights" if dummy else Path(model).name,
            "workload": str(wpath), "workload_sha256_16": w_sha, "workload_stats": stats,
            "workload_params": w["header"]["params"], "args": vars(args),
            "kv_bytes_per_token": {d: assets.kv_bytes_per_token(cfg, d) for d in ("auto", "fp8",
                                                                           "nvfp4")},
-           "turn_fields": TURN_FIELDS, "run": assets.run_info(on_gpu), "servers": [], "rows": []}
+           "turn_fields": TURN_FIELDS, "run": common.run_info(on_gpu), "servers": [], "rows": []}
     def save():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
+        common.write_json(out, res)
 
     for off in args.offload:
         for dt in args.dtypes:

@@ -3,30 +3,26 @@ Compute: where does the NVFP4 decode kernel lose bandwidth (issue slots, stalls,
 
     ncu --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy \\
         --section WarpStateStats --section InstructionStats --section LaunchStats \\
-        python evals/profile_decode.py --batch 8 --ctx 32768
+        python -P -m evals.profile_decode --batch 8 --ctx 32768
 
 Also prints the static instruction mix of our kernel's main loop (SASS via nvdisasm): issued
 warp-instructions per KV byte, the quantity that bounds a software-dequantizing kernel.
 Without a GPU, `--sass-only` compiles the kernel for sm_90 (or --arch) with Triton's own ptxas
 and prints just that mix (the number the kernel's design is judged by before any GPU time):
 
-    python evals/profile_decode.py --sass-only [--block-n 128 --warps 4 --stages 2]
+    python -P -m evals.profile_decode --sass-only [--block-n 128 --warps 4 --stages 2]
         [--full-v] [--v-rows] [--no-mma-k] [--maxnreg 128] [--bt-ahead] [--arch 90|89|80]
 """
 from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_decode as bd  # noqa: E402
-
-from vllm_nvfp4kv.kernels import aot  # noqa: E402
+from evals import bench_decode as bd
+from vllm_nvfp4kv.kernels import aot
 
 
 def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -> str:

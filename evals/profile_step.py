@@ -8,7 +8,7 @@ profiled steps, as many pure decode steps are timed by wall clock (host work inc
 decode throughput a server sees at this batch); the GPU's idle time between kernels is
 recorded too (gpu_gaps).
 
-    python evals/profile_step.py --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \\
+    python -P -m evals.profile_step --dtypes fp8 nvfp4 --batch 16 --ctx 8192 \\
         --out evals/results/profile_step_h200.json
 
 With --prefill-chunk N it profiles the prefill instead: `batch` prompts of `ctx` tokens
@@ -19,7 +19,7 @@ gap). Answers "where does NVFP4's longer chunked prefill (TTFT) go": the workspa
 each chunk's cached prefix, attention over it, the writer, host time. Variants as
 evals/bench_e2e.py's (nvfp4+fp8ws: the FP8 workspace):
 
-    python evals/profile_step.py --dtypes fp8 nvfp4 nvfp4+fp8ws --batch 4 --ctx 32768 \\
+    python -P -m evals.profile_step --dtypes fp8 nvfp4 nvfp4+fp8ws --batch 4 --ctx 32768 \\
         --prefill-chunk 8192 --out evals/results/profile_prefill_h200.json
 """
 from __future__ import annotations
@@ -27,24 +27,12 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import json
 import os
-import sys
 import time
-from pathlib import Path
+
+from evals import bench_e2e, common
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-MODEL = str(Path(__file__).resolve().parent / "models" / "llama3-8b-8layers")
-
-
-def _engine(variant: str, max_model_len: int, **extra):
-    """vLLM in this process for a kv_cache_dtype, or nvfp4 with bench_e2e's options."""
-    from bench_e2e import apply_options
-    from vllm import LLM
-    kv_dtype = apply_options(variant)
-    return LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-               kv_cache_dtype=kv_dtype, max_model_len=max_model_len,
-               gpu_memory_utilization=0.85, enable_prefix_caching=False, seed=0, **extra)
 
 
 def _kernels(prof, per: float, top: int, key: str = "us_per_step") -> tuple[float, list[dict]]:
@@ -92,10 +80,9 @@ def _kernel_spans(prof) -> list[tuple[float, float, str]]:
 
 def profile_prefill(variant: str, batch: int, ctx: int, chunk: int, top: int) -> dict:
     import torch
-    from assets import sm_clock_mhz
     from torch.profiler import ProfilerActivity
     from vllm import SamplingParams
-    llm = _engine(variant, ctx + 64, max_num_batched_tokens=chunk)
+    llm = bench_e2e.engine(variant, ctx + 64, max_num_batched_tokens=chunk)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 31000, (ctx,), generator=g).tolist()}
                for _ in range(batch + 1)]
@@ -107,7 +94,7 @@ def profile_prefill(variant: str, batch: int, ctx: int, chunk: int, top: int) ->
     t0 = time.perf_counter()
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA if gpu
                                             else ProfilerActivity.CPU]) as prof, \
-            sm_clock_mhz() as clock:
+            common.sm_clock_mhz() as clock:
         llm.generate(prompts[1:], sp, use_tqdm=False)
         sync()
     wall_s = time.perf_counter() - t0
@@ -129,10 +116,9 @@ def profile_prefill(variant: str, batch: int, ctx: int, chunk: int, top: int) ->
 
 def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
     import torch
-    from assets import sm_clock_mhz
     from torch.profiler import ProfilerActivity
     from vllm import SamplingParams
-    llm = _engine(kv_dtype, ctx + steps + 64)
+    llm = bench_e2e.engine(kv_dtype, ctx + steps + 64)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 31000, (ctx,), generator=g).tolist()}
                for _ in range(batch)]
@@ -160,7 +146,7 @@ def profile(kv_dtype: str, batch: int, ctx: int, steps: int, top: int) -> dict:
     wall_us = (time.perf_counter() - t0) / steps * 1e6
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA if gpu
                                             else ProfilerActivity.CPU]) as prof, \
-            sm_clock_mhz() as clock:
+            common.sm_clock_mhz() as clock:
         for _ in range(steps):
             engine.step()
         if gpu:
@@ -190,18 +176,14 @@ def main():
                     help="profile the prefill in chunks of this many tokens instead")
     ap.add_argument("--out", default="evals/results/profile_step.json")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from assets import rows_per_dtype
-    from bench_e2e import results_header
-    res = results_header(args=vars(args))
+    res = bench_e2e.results_header(args=vars(args))
     if args.prefill_chunk:
-        res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: profile_prefill(
-            dt, args.batch, args.ctx, args.prefill_chunk, args.top))
+        measure = lambda dt: profile_prefill(  # noqa: E731
+            dt, args.batch, args.ctx, args.prefill_chunk, args.top)
     else:
-        res["rows"] = rows_per_dtype(__file__, args.dtypes, args.out, lambda dt: profile(
-            dt, args.batch, args.ctx, args.steps, args.top))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+        measure = lambda dt: profile(dt, args.batch, args.ctx, args.steps, args.top)  # noqa: E731
+    res["rows"] = common.rows_per_dtype("evals.profile_step", args.dtypes, args.out, measure)
+    common.write_json(args.out, res)
     for r in res["rows"]:
         if "error" in r:
             print(f"\n{r['kv_dtype']}: {r['error']}")

@@ -10,24 +10,18 @@ its head group, squared, summed per layer. What NVFP4KV_ROTATE_K=auto (the per-l
 cache_space.rotation_helps) was designed from (evals/RESULTS.md, "K's rotation chosen per
 layer").
 
-    python evals/rotation_probe.py --model gemma --out evals/results/rotation_probe_gemma3_270m_cpu.json
+    python -P -m evals.rotation_probe --model gemma --out evals/results/rotation_probe_gemma3_270m_cpu.json
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import assets  # noqa: E402
-import fidelity  # noqa: E402
-
-from vllm_nvfp4kv.cache_space import rotation_errors  # noqa: E402
-from vllm_nvfp4kv.kernels.format import DEFAULT_BLOCK_SCALES  # noqa: E402
+from evals import assets, common, fidelity
+from vllm_nvfp4kv.cache_space import rotation_errors
+from vllm_nvfp4kv.kernels.format import DEFAULT_BLOCK_SCALES
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -77,10 +71,9 @@ def main():
     print("score error ratio rot / plain per layer:",
           " ".join(f"{r['score_ratio_rot_over_plain']:.2f}" for r in rows))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"model": str(path), "texts": args.texts, "max_tokens": args.max_tokens,
-                       "run": assets.run_info(on_gpu=False), "summary": summary, "rows": rows},
-                      f, indent=1)
+        common.write_json(args.out, {
+            "model": str(path), "texts": args.texts, "max_tokens": args.max_tokens,
+            "run": common.run_info(on_gpu=False), "summary": summary, "rows": rows})
         print(f"-> {args.out}")
 
 

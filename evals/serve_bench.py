@@ -29,28 +29,28 @@ On a CPU: SmolLM2-135M-Instruct (dtypes auto nvfp4: vLLM's CPU FP8 KV cache need
     # FP8 7, 2 and NVFP4 13, 7, 2 (C=2 is what --budget-s drops first). Measured: a
     # server's first start on a fresh machine takes ~4 min (compilation), FP8's two points
     # ~2 min, NVFP4's C=13 ~1 min; so one dtype per call, then --combine (below):
-    timeout 570 python evals/serve_bench.py --dtypes fp8 --input-len 32768 \\
+    timeout 570 python -P -m evals.serve_bench --dtypes fp8 --input-len 32768 \\
         --output-len 1024 --kv-cache-memory-bytes 17179869184 --iso-capacity \\
         --concurrency 7 2 --budget-s 360 --out evals/results/serve_sweep_h200_32k_fp8.json
     # H200, 128K context (129,984 in + 1,024 out + 64 = Llama-3's 131,072), 20 GiB of KV
     # (FP8 admits 2, NVFP4 4), one prompt per request slot. Measured (2026-12-04): the FP8
     # server's cold start 238 s, its point 30 s; NVFP4's start 134 s. One dtype per call:
-    timeout 570 python evals/serve_bench.py --dtypes fp8 --input-len 129984 \\
+    timeout 570 python -P -m evals.serve_bench --dtypes fp8 --input-len 129984 \\
         --output-len 1024 --kv-cache-memory-bytes 21474836480 --iso-capacity \\
         --concurrency 2 --prompts-per-concurrency 1 --budget-s 480 \\
         --out evals/results/serve_sweep_h200_128k_fp8.json      # then --dtypes nvfp4, _nvfp4
     # CPU (SmolLM2-135M, 12 MiB of KV in blocks of 128 tokens: BF16 holds 4 blocks, NVFP4
     # 15, one reserved, so they admit 3 and 14 requests of 96 + 32 tokens), ~6 min:
-    python evals/serve_bench.py --dtypes auto nvfp4 --input-len 96 --output-len 32 \\
+    python -P -m evals.serve_bench --dtypes auto nvfp4 --input-len 96 --output-len 32 \\
         --kv-cache-memory-bytes 12582912 --concurrency 1 3 --iso-capacity \\
         --out evals/results/serve_sweep_cpu.json
     # the single-concurrency run of before (one point per dtype, 64 prompts):
-    python evals/serve_bench.py --input-len 8192 --output-len 256 --num-prompts 64 \\
+    python -P -m evals.serve_bench --input-len 8192 --output-len 256 --num-prompts 64 \\
         --max-concurrency 32 --out evals/results/serve_bench_h200.json
     # join results of separate calls (same lengths and KV budget; a later file's
     # (dtype, concurrency) rows replace an earlier's), or re-plot one:
-    python evals/serve_bench.py --combine a.json b.json --out joined.json
-    python evals/serve_bench.py --plot-only --out evals/results/serve_sweep_cpu.json
+    python -P -m evals.serve_bench --combine a.json b.json --out joined.json
+    python -P -m evals.serve_bench --plot-only --out evals/results/serve_sweep_cpu.json
 """
 from __future__ import annotations
 
@@ -59,15 +59,12 @@ import datetime
 import json
 import os
 import re
-import shutil
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from server import Server, cpu_env, offline_report, report, serve_cmd  # noqa: E402
+from evals import assets, common
+from evals.server import Server, cpu_env, metrics, offline_report, report, serve_cmd
 
 # what is kept of `vllm bench serve`'s result, per point
 KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
@@ -89,27 +86,6 @@ MAX_MODEL_LEN_ROUND = 128
 def default_max_model_len(input_len: int, output_len: int) -> int:
     n = input_len + output_len + MAX_MODEL_LEN_SLACK
     return -(-n // MAX_MODEL_LEN_ROUND) * MAX_MODEL_LEN_ROUND
-
-
-def llama8b_with_tokenizer() -> Path:
-    """evals/models/llama3-8b config + SmolLM2 tokenizer files, in the assets cache. The
-    tokenizer comes from SMOLLM2_TOKENIZER when set (a folder with SmolLM2's config.json and
-    tokenizer files: what a GPU session carries instead of the 94 MB GGUF), else from the
-    converted model (assets.smollm2())."""
-    import assets
-    tok = Path(os.environ["SMOLLM2_TOKENIZER"]) if os.environ.get("SMOLLM2_TOKENIZER") \
-        else assets.smollm2()
-    out = assets.CACHE / "llama3-8b-shape-smollm2-tokenizer"
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads((HERE / "models" / "llama3-8b" / "config.json").read_text())
-    tcfg = json.loads((tok / "config.json").read_text())
-    cfg.update(vocab_size=tcfg["vocab_size"], bos_token_id=tcfg["bos_token_id"],
-               eos_token_id=tcfg["eos_token_id"])
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in tok.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    return out
 
 
 # ---------------------------------------------------------------- plan (no server needed)
@@ -211,9 +187,8 @@ def combine(parts: list[dict], files: list[str]) -> dict:
 
 # ---------------------------------------------------------------- plot / table
 def plot(res: dict, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
+    from matplotlib.ticker import ScalarFormatter
     rows = [r for r in res["rows"] if "error" not in r and r.get("completed")]
     colors = {"nvfp4": "tab:green", "nvfp4+fp8ws": "tab:olive", "fp8": "tab:blue",
               "auto": "tab:gray"}
@@ -248,7 +223,7 @@ def plot(res: dict, png: Path) -> None:
     a2.set_ylabel("TTFT (ms)")
     a2.set_xscale("log", base=2)
     a2.set_xticks(sorted({r["concurrency"] for r in rows}) or [1])
-    a2.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    a2.get_xaxis().set_major_formatter(ScalarFormatter())
     a2.set_ylim(bottom=0)
     for ax in (a1, a2):
         ax.grid(alpha=0.3)
@@ -304,7 +279,6 @@ def warmup(port: int, n_tokens: int) -> None:
 
 def cache_blocks(port: int) -> tuple[int | None, int | None]:
     """(num_gpu_blocks, block_size) from the server's vllm:cache_config_info."""
-    from multiturn import metrics
     try:
         info = metrics(port)[1]
         return int(info["num_gpu_blocks"]), int(info["block_size"])
@@ -313,7 +287,6 @@ def cache_blocks(port: int) -> tuple[int | None, int | None]:
 
 
 def preemptions(port: int) -> float | None:
-    from multiturn import metrics
     try:
         return metrics(port)[0].get("vllm:num_preemptions", 0.0)
     except Exception:  # noqa: BLE001 - a counter is a nicety
@@ -338,17 +311,6 @@ def bench(port: int, tokenizer: str, args, concurrency: int, n: int) -> dict:
     if errs:
         out["client_errors"] = errs[:3]
     return out
-
-
-def device_name(on_gpu: bool) -> str:
-    import torch
-    if on_gpu:
-        return torch.cuda.get_device_name()
-    import platform
-    cpu = next((x.split(":", 1)[1].strip() for x in
-                Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), platform.processor())
-    return f"cpu ({cpu}, {os.cpu_count()} cores)"
 
 
 def main():
@@ -404,21 +366,15 @@ def main():
     args.max_model_len = args.max_model_len or default_max_model_len(args.input_len,
                                                                      args.output_len)
     dummy = args.model is None and on_gpu
-    if args.model:
-        model = args.model
-    elif on_gpu:
-        model = str(llama8b_with_tokenizer())
-    else:
-        import assets
-        model = str(assets.smollm2())
+    model = assets.serving_model(args.model, on_gpu)
     try:
         from importlib.metadata import version
         plugin = version("vllm-nvfp4kv")
     except Exception:  # noqa: BLE001 - not installed as a dist
         plugin = None
-    run = __import__("assets").run_info(on_gpu)
+    run = common.run_info(on_gpu)
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "device": device_name(on_gpu), "vllm": vllm.__version__, "torch": torch.__version__,
+           "device": common.device_name(on_gpu), "vllm": vllm.__version__, "torch": torch.__version__,
            "vllm_nvfp4kv": plugin, "git": run["versions"].get("vllm-nvfp4kv (git)"),
            "model": "Llama-3-8B shape, dummy weights, SmolLM2 tokenizer" if dummy
            else Path(model).name, "model_path": model,
@@ -427,8 +383,7 @@ def main():
 
     def save():
         res["ratios"] = ratios(res["rows"], args.baseline)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
+        common.write_json(out, res)
 
     def over_budget():
         return args.budget_s and time.time() - t_begin > args.budget_s

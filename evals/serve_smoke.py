@@ -6,20 +6,19 @@ identical, and prints the startup lines that show the chosen backend and the KV 
 Bounded: a fixed number of requests and a deadline; the server is stopped at the end. GPU
 when there is one, CPU otherwise.
 
-    python evals/serve_smoke.py --out evals/results/serve_smoke.json
+    python -P -m evals.serve_smoke --out evals/results/serve_smoke.json
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import json
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import Server, cpu_env, serve_cmd  # noqa: E402
+from evals import assets, common
+from evals.server import Server, cpu_env, serve_cmd
 
 QUESTIONS = ["What is the capital of France?", "What is 7 times 6?", "Name a primary color."]
 
@@ -43,7 +42,7 @@ def main():
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--out", default="evals/results/serve_smoke.json")
     args = ap.parse_args()
-    model = args.model or str(__import__("assets").smollm2())
+    model = args.model or str(assets.smollm2())
     import torch
     on_gpu = torch.cuda.is_available()
     extra = ["--max-model-len", "2048", "--block-size", "16"]
@@ -78,7 +77,7 @@ def main():
         res["identical_requests_identical_answers"] = all(len(a) == 1 for a in by_q.values())
     res["startup_log"] = server.startup_lines()
     res["errors_in_log"] = server.serving_errors()
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    common.write_json(args.out, res)
     print(json.dumps(res, indent=1))
     ok = res["identical_requests_identical_answers"] and not res["errors_in_log"]
     raise SystemExit(0 if ok else 1)

@@ -14,6 +14,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from evals import common
+
 
 def sse_events(response):
     """The JSON events of a streamed OpenAI API response, up to [DONE]."""
@@ -70,6 +72,21 @@ def parse_prometheus(text: str) -> list[tuple[str, str, float]]:
         if m:
             out.append((m.group(1), m.group(2) or "", float(m.group(3))))
     return out
+
+
+def metrics(port: int) -> tuple[dict[str, float], dict[str, str]]:
+    """The server's vllm: counters and gauges summed over labels (a counter's _total suffix
+    dropped), and the labels of vllm:cache_config_info."""
+    out, cache_info = {}, {}
+    for name, labels, val in prometheus(port):
+        if name.endswith("_created"):
+            continue
+        name = name.removesuffix("_total")
+        if name == "vllm:cache_config_info":
+            cache_info = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            continue
+        out[name] = out.get(name, 0.0) + val
+    return out, cache_info
 
 
 def serve_cmd(model: str, kv_cache_dtype: str, port: int, *extra: str) -> list[str]:
@@ -156,9 +173,8 @@ def offline_report(out: Path, combine_files: list[str] | None, combine, plot,
     """--combine / --plot-only, no server: join several results files into `out` (a later
     file's measurements replace an earlier's), or load `out`; then report."""
     if combine_files:
-        res = combine([json.loads(Path(f).read_text()) for f in combine_files], combine_files)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
+        res = combine([common.read_json(f) for f in combine_files], combine_files)
+        common.write_json(out, res)
     else:
-        res = json.loads(out.read_text())
+        res = common.read_json(out)
     report(res, out, plot, print_table)

@@ -15,10 +15,10 @@ attention then runs at; and, for the issue's targets (1.6x FP8 at iso-capacity, 
 iso-concurrency), the step time and KV bandwidth they would need. Pure arithmetic on recorded
 JSON: no GPU.
 
-    python evals/serving_bound.py   # the H200 records of 2026-12-04/05 (defaults below)
+    python -P -m evals.serving_bound   # the H200 records of 2026-12-04/05 (defaults below)
     # the H100 records of 2026-12-06 (sweep, prefill and decode step of the same commit's
     # kernels; prefill as GPU time in 8K chunks)
-    python evals/serving_bound.py --sweep evals/results/serve_sweep_h100_32k_repeat.json \
+    python -P -m evals.serving_bound --sweep evals/results/serve_sweep_h100_32k_repeat.json \
         --prefill evals/results/profile_prefill_h100.json \
         --step evals/results/profile_step_h100_b8_32k.json \
         --decode evals/results/decode_h100.json --out evals/results/serving_bound_h100_32k.json
@@ -26,14 +26,13 @@ JSON: no GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import textwrap
 from pathlib import Path
 
-from assets import kv_bytes_per_token
+from evals import common
+from evals.assets import kv_bytes_per_token
 
-HERE = Path(__file__).resolve().parent
-RES = HERE / "results"
+RES = common.RESULTS
 # the attention kernels of a decode step (profile_step's kernel names)
 ATTN_KERNELS = ("_decode_kernel", "_reduce_kernel", "FlashAttnFwd")
 
@@ -129,9 +128,7 @@ def analyse(sweep: dict, prefill: dict, step: dict, cfg: dict, vocab: int, copy_
 def plot(res: dict, png: Path, title: str) -> None:
     """Implied attention bandwidth of each measured point, what each target needs, and the
     GPU's copy bandwidth."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
     rows, need = res["rows"], res["targets"]
     labels = [f"{r['kv_dtype']} C={r['concurrency']}" for r in rows] + [
         f"{t['target']}\n{t['ratio']}x FP8 (C={t['concurrency']})" for t in need]
@@ -163,13 +160,13 @@ def main():
     ap.add_argument("--step", default=RES / "profile_step_h200_bt_ahead.json")
     ap.add_argument("--decode", default=RES / "decode_h200.json",
                     help="bench_decode.py result: the copy bandwidth of the same GPU model")
-    ap.add_argument("--config", default=HERE / "models" / "llama3-8b" / "config.json")
+    ap.add_argument("--config", default=common.MODELS / "llama3-8b" / "config.json")
     ap.add_argument("--vocab", type=int, default=49152,
                     help="the LM head's rows: SmolLM2's tokenizer, what the dummy-weight runs "
-                         "use (serve_bench.llama8b_with_tokenizer)")
+                         "use (assets.llama8b_with_tokenizer)")
     ap.add_argument("--out", default=RES / "serving_bound_h200_32k.json")
     args = ap.parse_args()
-    load = lambda p: json.loads(Path(p).read_text())  # noqa: E731
+    load = common.read_json
     sweep = load(args.sweep)
     iso_cap = max(r["concurrency"] for r in sweep["rows"] if r["kv_dtype"] == "nvfp4")
     iso_c = max(r["concurrency"] for r in sweep["rows"] if r["kv_dtype"] == "fp8")
@@ -178,7 +175,7 @@ def main():
                   {"iso-capacity": (iso_cap, iso_c, 1.6), "iso-concurrency": (iso_c, iso_c, 1.3)})
     res["inputs"] = {k: str(getattr(args, k)) for k in ("sweep", "prefill", "step", "decode",
                                                          "config")}
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    common.write_json(args.out, res)
     png = Path(args.out).with_suffix(".png")
     gpu = sweep.get("run", {}).get("device") or sweep["rows"][0].get("gpu", "")
     plot(res, png, f"{res['input_len'] // 1024}K in / {res['output_len']} out, {gpu}: attention "

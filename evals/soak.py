@@ -19,8 +19,8 @@ give identical outputs. Checked at the end:
 Memory is sampled every --sample-interval-s. Results go to --out (JSON, server log next to it); a
 summary table is printed last. Exit status 0 only when every check holds.
 
-    python evals/soak.py                                  # GPU: 1000 requests, 8K context
-    python evals/soak.py --requests 30 --max-tokens 12 --out evals/results/soak_cpu.json
+    python -P -m evals.soak                               # GPU: 1000 requests, 8K context
+    python -P -m evals.soak --requests 30 --max-tokens 12 --out evals/results/soak_cpu.json
 
 By default the server runs with NVFP4KV_PREFILL_FROM_CACHE=1, the setting under which identical
 greedy requests are expected to match under prefix caching (evals/RESULTS.md, "Serving
@@ -36,14 +36,13 @@ import random
 import re
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server import (Server, completion_result, cpu_env, prometheus, serve_cmd,  # noqa: E402
-                    sse_events)
+from evals import assets, common
+from evals.server import (Server, completion_result, cpu_env, prometheus, serve_cmd,
+                          sse_events)
 
 
 # ---------------------------------------------------------------- client
@@ -204,7 +203,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="evals/results/soak.json")
     args = ap.parse_args()
-    model = args.model or str(__import__("assets").smollm2())
+    model = args.model or str(assets.smollm2())
     import torch
     on_gpu = torch.cuda.is_available()
 
@@ -218,7 +217,7 @@ def main():
     args.max_num_seqs = args.max_num_seqs or gpu_cpu(128, 16)
     cfg = json.loads((Path(model) / "config.json").read_text())
     vocab = cfg["vocab_size"]
-    per_token = __import__("assets").kv_bytes_per_token(cfg, "nvfp4")
+    per_token = assets.kv_bytes_per_token(cfg, "nvfp4")
     if args.kv_cache_memory_bytes is None:
         args.kv_cache_memory_bytes = gpu_cpu(32, 3) * args.max_model_len * per_token
 
@@ -240,7 +239,7 @@ def main():
            "date": time.strftime("%Y-%m-%d"), "cmd": " ".join(cmd[2:]),
            "env": {k: env[k] for k in env if k.startswith("NVFP4KV_")},
            "args": {k: v for k, v in vars(args).items()},
-           "kv_bytes_per_token": per_token, "run": __import__("assets").run_info(on_gpu)}
+           "kv_bytes_per_token": per_token, "run": common.run_info(on_gpu)}
     t_start = time.time()
     with Server(cmd, log_path, env, args.deadline_s) as server:
         res["startup_s"] = server.startup_s
@@ -324,8 +323,7 @@ def main():
                      "gpu_used_mib_min_max_last": [min(gpu), max(gpu), gpu[-1]] if gpu else None}
     res["requests"] = [{k: v for k, v in r.items() if k != "text"} for r in results]
     res["identical_group_outputs"] = {g: sorted(v) for g, v in groups.items()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    common.write_json(args.out, res)
 
     lat = sorted(r["latency_s"] for r in results if r["status"] == "completed")
     rows = [("device", res["device"]), ("model", Path(model).name),

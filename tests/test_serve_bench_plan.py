@@ -1,14 +1,11 @@
-"""evals/serve_bench.py without a server: capacity parsing, the points per server, the ratios
+"""evals.serve_bench without a server: capacity parsing, the points per server, the ratios
 in the JSON, --combine and the plot."""
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
-import serve_bench as sb  # noqa: E402
+from evals import serve_bench as sb
 
 NVFP4_LINES = [
     "(EngineCore pid=1) INFO [kv_cache_utils.py:2177] GPU KV cache size: 3,226,432 tokens",

@@ -1,16 +1,12 @@
-"""evals/serving_bound.py: the two-term serving model inverts exactly, counts Llama-3-8B's
+"""evals.serving_bound: the two-term serving model inverts exactly, counts Llama-3-8B's
 weights, and on the recorded H200 sweep reproduces each measured throughput from the step
 time it infers. Pure arithmetic on committed JSON (no vLLM, no GPU)."""
-import json
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
-import serving_bound as sb  # noqa: E402
+from evals import common
+from evals import serving_bound as sb
 
-CFG = json.loads((sb.HERE / "models" / "llama3-8b" / "config.json").read_text())
+CFG = common.read_json(common.MODELS / "llama3-8b" / "config.json")
 
 
 def test_step_and_throughput_invert():
@@ -34,7 +30,7 @@ def test_weight_bytes_llama3_8b():
       "profile_step_h100_b8_32k.json"), 3047.2),
 ])
 def test_recorded_sweep_is_reproduced(records, copy_gbps):
-    res = sb.analyse(*(json.loads((sb.RES / f).read_text()) for f in records), CFG, 49152,
+    res = sb.analyse(*(common.read_json(common.RESULTS / f) for f in records), CFG, 49152,
                      copy_gbps, {"iso-capacity": (13, 7, 1.6)})
     for r in res["rows"]:
         x = sb.throughput(r["step_ms"] / 1e3, r["concurrency"], 1024,
