@@ -8,7 +8,7 @@
 #                          (15 MB, after ../shared/gpu/make-bundle .gpu): with p2 in the
 #                          call before (FA3 imports vllm._C_stable_libtorch, p2's C.tar.xz,
 #                          56 MB: too big to join .kit), the FA3 FP8/BF16 columns of
-#                          evals/bench_decode.py without p1 and p3
+#                          evals.bench_decode without p1 and p3
 #   .qwen/00 .. .qwen/17   Qwen2.5-Coder-1.5B GGUF in 18 pieces (lm-eval, decode_check)
 #   .gemma/00 .. .gemma/04 Gemma 3 270M GGUF in 5 pieces (fidelity)
 #   .whl-lmeval            py3.12 wheels the GPU image lacks: lm-eval and its dependencies,
@@ -27,7 +27,7 @@ gguf=$($PY -P -c "import importlib.util, pathlib; print(pathlib.Path(
 rm -rf .models && mkdir -p .models/a .models/b
 split -b $PIECE -d -a 2 "$gguf" .models/gguf.
 mv .models/gguf.00 .models/a/ && mv .models/gguf.01 .models/b/
-tok=$($PY -P -c "import sys; sys.path.insert(0, 'evals'); import assets; print(assets.smollm2())" | tail -1)
+tok=$($PY -P -m evals.assets smollm2 | tail -1)
 rm -rf .tok && mkdir .tok
 cp "$tok"/config.json "$tok"/tokenizer* "$tok"/chat_template* .tok/
 
@@ -35,13 +35,13 @@ if [ -f .gpu/p1/vllm-py.tar.xz ] && [ -f .gpu/p2/fa3.tar.xz ]; then
   rm -rf .kit && mkdir .kit && cp .gpu/p1/vllm-py.tar.xz .gpu/p2/fa3.tar.xz .gpu/p1/install-bundle .kit/
 fi
 
-qwen=$($PY -P -c "import sys; sys.path.insert(0, 'evals'); import assets
+qwen=$($PY -P -c "from evals import assets
 assets.qwen_coder(); print(assets.CACHE / assets.QWEN_GGUF)" | tail -1)
 rm -rf .qwen && mkdir .qwen
 split -b $PIECE -d -a 2 "$qwen" .qwen/part
 for f in .qwen/part*; do n=${f#.qwen/part}; mkdir .qwen/$n && mv "$f" .qwen/$n/part$n.bin; done
 
-gemma=$($PY -P -c "import sys; sys.path.insert(0, 'evals'); import assets
+gemma=$($PY -P -c "from evals import assets
 assets.gemma3_270m(); print(assets.CACHE / assets.GEMMA3_GGUF)" | tail -1)
 rm -rf .gemma && mkdir .gemma
 split -b $PIECE -d -a 2 "$gemma" .gemma/part
