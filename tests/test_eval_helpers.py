@@ -39,6 +39,15 @@ def test_rows_one_process_per_dtype(tmp_path, monkeypatch):
     json.dumps(rows)
 
 
+def test_results_read_plain_or_gzipped(tmp_path):
+    """common.read_json: a result stored as NAME.json.gz reads by either name (the larger
+    recorded results are gzipped); write_json makes the folder."""
+    import gzip
+    res = {"rows": [{"kv_dtype": "nvfp4", "x": 1.5}]}
+    common.write_json(tmp_path / "sub" / "a.json", res)
+    (tmp_path / "b.json.gz").write_bytes(gzip.compress(json.dumps(res).encode()))
+    for name in ("sub/a.json", "b.json", "b.json.gz"):
+        assert common.read_json(tmp_path / name) == res
 
 
 def test_rows_per_dtype_one_dtype_in_process():
