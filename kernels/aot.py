@@ -25,19 +25,35 @@ DIV16 = ("page_stride", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "str
 
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
                       mma_k: bool = True, features: bool = False,
-                      v_halves: bool = True, mma_v: bool = True, bt_ahead: bool = False) -> dict:
+                      v_halves: bool = True, mma_v: bool = True, bt_ahead: bool = False,
+                      kv_heads: int = 8) -> dict:
     """The decode kernel's constexprs as decode_attention sets them (Llama-3-8B heads, page
     16, several splits); features: softcap, sliding window and sinks on."""
     mma_k = mma_k and mma_k_applies(d, warps, block_n)
-    return dict(H=8, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
+    return dict(H=kv_heads, QPK=qpk, QG_PAD=max(16, triton.next_power_of_2(qpk)), N=16, D=d,
                 G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, SPLIT=True,
                 USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
                 MMA_K=mma_k, NW=warps, V_HALVES=v_halves,
                 MMA_V=mma_v and mma_k and warps == 4, BT_AHEAD=bt_ahead)
 
 
+def compile_hopper_decode(d: int, qpk: int = 4, kv_heads: int = 8, launches: dict | None = None,
+                          features: bool = False):
+    """The decode kernel as decode_attention launches it on Hopper at head size d
+    (decode.HOPPER_LAUNCHES[d] or launches' replacement: its tile, 4 warps, block-table entries
+    a tile ahead with 4 load stages where the tile is <= 128 tokens, else 2, its register
+    cap), compiled for sm_90."""
+    from . import decode
+    launch = decode.hopper_launch(d, launches)
+    bt_ahead = launch.block_n <= 128
+    return compile_kernel(decode._decode_kernel, specs()["decode"][1],
+                          decode_constexprs(launch.block_n, 4, qpk, d, features=features,
+                                            bt_ahead=bt_ahead, kv_heads=kv_heads),
+                          90, 4, 4 if bt_ahead else 2, launch.maxnreg)
+
+
 # load pipeline depth of the specs that are built for a deeper one (others: 2)
-STAGES = {"decode": 4, "decode-smem-k-bt-ahead": 3}
+STAGES = {"decode": 4, "decode-smem-k-bt-ahead": 3, "decode-d64": 4, "decode-d256": 4}
 
 
 def specs() -> dict:
@@ -92,6 +108,13 @@ def specs() -> dict:
                    decode_constexprs(features=True, bt_ahead=True), 4),
         "decode-smem-k-d96": (decode._decode_kernel, decode_sig,
                               decode_constexprs(d=96, features=True), 4),
+        # the Hopper launches at D = 64 (gpt-oss heads: 8 per KV head) and 256 (Qwen3-Next:
+        # 8), decode.HOPPER_LAUNCHES (their register cap: compile_hopper_decode)
+        "decode-d64": (decode._decode_kernel, decode_sig,
+                       decode_constexprs(qpk=8, d=64, features=True, bt_ahead=True), 4),
+        "decode-d256": (decode._decode_kernel, decode_sig,
+                        decode_constexprs(block_n=64, qpk=8, d=256, features=True,
+                                          bt_ahead=True, kv_heads=2), 4),
         "decode-drain": (decode._decode_kernel, decode_sig, decode_constexprs(features=True), 4),
         "decode-smem-k-bt-ahead": (decode._decode_kernel, decode_sig,
                                    decode_constexprs(features=True, mma_k=False, bt_ahead=True),

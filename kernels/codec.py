@@ -276,6 +276,60 @@ def e2m1_word_fp16_portable(word, V: tl.constexpr = False):
     return n0, n1, n2, n3, n4, n5, n6, n7
 
 
+def _v_half_asm() -> str:
+    """PTX of v_word_half_fp16 on a GPU: the lane's half r0 = bit 2 of %laneid (lane 4 r + c of
+    a wgmma operand, r0 = r % 2; ptxas computes it and the rotations once per thread), pair k
+    = 2 r0 + h rotated by VWORD_PAIR_ROTATION[k] (magnitudes) and VWORD_SIGN_ROTATION[k]
+    (signs), both amounts VR[2 h] + r0 (VR[2 h + 2] - VR[2 h]) mod 32 in registers."""
+    lines = [".reg .b32 l, r, a, b, p, m, s;", "mov.u32 l, %laneid;", "bfe.u32 r, l, 2, 1;"]
+    for h in range(2):
+        (m0, m1), (s0, s1) = ((rot[h], rot[h + 2]) for rot in (VWORD_PAIR_ROTATION,
+                                                               VWORD_SIGN_ROTATION))
+        lines += [f"mad.lo.u32 m, r, {(m1 - m0) % 32}, {m0};",
+                  f"mad.lo.u32 s, r, {(s1 - s0) % 32}, {s0};",
+                  "shf.r.wrap.b32 a, $4, $4, m; shf.r.wrap.b32 b, $4, $4, s;",
+                  "and.b32 b, b, 0x80008000; lop3.b32 p, a, b, 0x0E000E00, 0xEC;",
+                  f"mov.b32 {{${2 * h}, ${2 * h + 1}}}, p;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+V_HALF_ASM = tl.constexpr(_v_half_asm())
+
+
+@triton.jit
+def _rotr_by(w, r):
+    """Rotate uint32 words w right by r (uint32 tensor, < 32) bits."""
+    return (w >> r) | (w << ((32 - r) % 32))
+
+
+@triton.jit
+def v_word_half_fp16(word, USE_ASM: tl.constexpr):
+    """int32 V words [S, 4, 8, 4, 2] (format.py's V word layout; dim 2 is the lane's row r of a
+    wgmma A operand, lane 4 r + c) -> elements k = 2 r0 and 2 r0 + 1 (r0 = r % 2) of each word
+    (head-dim elements 4q + 2 r0 + h), both tokens: fp16 [..., 2 (h), 2 (p)] holding
+    value * 2**-14 (8 instructions per word: 4 per pair). On a GPU r0 comes from the lane id,
+    so the result is right only in that register layout (load_vt_mma's; tests/test_compile.py
+    checks the build keeps it); the interpreter computes r0 from the index."""
+    if USE_ASM:
+        a, b, c, d = tl.inline_asm_elementwise(
+            asm=V_HALF_ASM, constraints="=h,=h,=h,=h,r", args=[word],
+            dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
+        r0 = (tl.arange(0, 8) % 2)[None, None, :, None, None]
+        rho0 = tl.where(r0 == 0, VR0, VR2).to(tl.uint32)
+        sig0 = tl.where(r0 == 0, VS0, VS2).to(tl.uint32)
+        rho1 = tl.where(r0 == 0, VR1, VR3).to(tl.uint32)
+        sig1 = tl.where(r0 == 0, VS1, VS3).to(tl.uint32)
+        w = word.to(tl.uint32, bitcast=True)
+        p0 = (_rotr_by(w, rho0) & 0x0E000E00) | (_rotr_by(w, sig0) & 0x80008000)
+        p1 = (_rotr_by(w, rho1) & 0x0E000E00) | (_rotr_by(w, sig1) & 0x80008000)
+        a = (p0 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        b = (p0 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        c = (p1 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        d = (p1 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return tl.join(tl.join(a, c), tl.join(b, d))
+
+
 @triton.jit
 def word_values(words, USE_ASM: tl.constexpr, V: tl.constexpr = False):
     """int32 words [...] (K layout, or V where V) -> their 8 elements as fp16 [..., 2, 2, 2]
@@ -289,69 +343,84 @@ def word_values(words, USE_ASM: tl.constexpr, V: tl.constexpr = False):
 
 
 @triton.jit
-def mma_col_to_d(k):
-    """Head-dim element held by column k of load_tile_mma's output (D = 128): with a row's 16
-    words split as word = 4c + j (c: the lane quarter that loads it, j: its register) and element
-    e = 4 e2 + 2 e1 + e0 of the word, column k = 64 j1 + 32 j0 + 16 e2 + 8 e1 + 4 c1 + 2 c0 + e0
-    holds d = 32 c + 8 j + e. A contraction over d may run in this order (Q permuted alike)."""
+def mma_col_to_d(k, D: tl.constexpr = 128):
+    """Head-dim element held by column k of load_tile_mma's output (D = 64, 128 or 256): with
+    a row's D/8 words split as word = (D/32) c + j (c: the lane quarter that loads it, j < D/32
+    its register) and element e = 4 e2 + 2 e1 + e0 of the word, column
+    k = 32 j + 16 e2 + 8 e1 + 4 c1 + 2 c0 + e0 holds d = (D/4) c + 8 j + e (D = 128:
+    k = 64 j1 + 32 j0 + .., d = 32 c + 8 j + e). A contraction over d may run in this order
+    (Q permuted alike)."""
     e = (k & 1) | (((k >> 3) & 1) << 1) | (((k >> 4) & 1) << 2)
-    return 32 * ((k >> 1) & 3) + 8 * ((k >> 5) & 3) + e
+    return (D // 4) * ((k >> 1) & 3) + 8 * ((k >> 5) & (D // 32 - 1)) + e
 
 
 @triton.jit
 def load_tile_mma(cache_ptr, chunk_off, row0, live, H: tl.constexpr, N: tl.constexpr,
-                  W: tl.constexpr, USE_ASM: tl.constexpr):
-    """Dequantize a tile of D = 128 K rows of paged NVFP4 pages, already in the register
-    layout of a Hopper wgmma A operand (W warps), so no shared-memory round trip after the
-    load. The tile is C = 16 W REP tokens in chunks of 16: chunk c in the page at byte offset
-    chunk_off [C] (int64) from page row row0 [C] (= head * N + token in page), loaded where
-    live [C] (rows past the sequence inside a live chunk load bytes whose scores get masked).
-    Each chunk's 16 rows of words and of scales are contiguous and loaded as such (lanes along
-    memory: whole sectors per warp), then relabelled as tile row i = 16 W rep + 16 w + 8 h + r
-    in [rep, h, w, r] order, which the MMA layout wants (warps on w, lanes on r and on the
-    row's four 16-byte quarters). Returns fp16 [16 W REP, 128] = true values * 2**-7, rows i,
-    columns in mma_col_to_d order; the permutes and reshapes below only relabel registers."""
-    D: tl.constexpr = 128
-    G: tl.constexpr = 8
+                  W: tl.constexpr, USE_ASM: tl.constexpr, D: tl.constexpr = 128):
+    """Dequantize a tile of K rows (D = 64, 128 or 256) of paged NVFP4 pages, already in the
+    register layout of a Hopper wgmma A operand (W warps), so no shared-memory round trip
+    after the load. The tile is C = 16 W REP tokens in chunks of 16: chunk c in the page at
+    byte offset chunk_off [C] (int64) from page row row0 [C] (= head * N + token in page),
+    loaded where live [C] (rows past the sequence inside a live chunk load bytes whose scores
+    get masked). Each chunk's 16 rows of words and of scales are contiguous and loaded as such
+    (lanes along memory: whole sectors per warp), then relabelled as tile row
+    i = 16 W rep + 16 w + 8 h + r in [rep, h, w, r] order, which the MMA layout wants (warps on
+    w, lanes on r and on the row's four quarters of J = D/32 words). Returns fp16 [16 W REP, D]
+    = true values * 2**-7, rows i, columns in mma_col_to_d order; the permutes and reshapes
+    below only relabel registers."""
+    G: tl.constexpr = D // 16
+    J: tl.constexpr = D // 32                          # words per lane quarter of a row
     C: tl.constexpr = chunk_off.shape[0]
     REP: tl.constexpr = C // W
     side = cache_ptr + chunk_off[:, None]
-    j = tl.arange(0, 16 * (D // 8))[None, :]           # word 16 t + 4 c + j of the chunk
+    j = tl.arange(0, 16 * (D // 8))[None, :]           # word 16 t + J c + j of the chunk
     words = tl.load(side.to(tl.pointer_type(tl.int32)) + row0[:, None] * (D // 8) + j,
                     mask=live[:, None], other=0)
-    words = tl.permute(tl.reshape(words, (REP, W, 2, 8, 4, 4)), (0, 2, 1, 3, 4, 5))
-    g = tl.arange(0, 16 * G)[None, :]                  # scale 8 t + g of the chunk
+    words = tl.permute(tl.reshape(words, (REP, W, 2, 8, 4, J)), (0, 2, 1, 3, 4, 5))
+    g = tl.arange(0, 16 * G)[None, :]                  # scale G t + g of the chunk
     sc = tl.load(side + H * N * (D // 2) + row0[:, None] * G + g, mask=live[:, None], other=0)
-    sc = tl.permute(tl.reshape(sc, (REP, W, 2, 8, 4, 2)), (0, 2, 1, 3, 4, 5))  # 2 c + j1
+    sc = tl.reshape(sc, (REP, W, 2, 8, 4, J // 2))                  # scale (J/2) c + j1
+    sc = tl.permute(sc, (0, 2, 1, 3, 4, 5))
     s16 = e4m3_scale_fp16(sc)
     vals = word_values(words, USE_ASM)                             # [.., c, j, e2, e1, e0]
-    vals = tl.reshape(vals, (REP, 2, W, 8, 4, 2, 2, 2, 2, 2))        # j -> j1, j0
+    vals = tl.reshape(vals, (REP, 2, W, 8, 4, J // 2, 2, 2, 2, 2))   # j -> j1, j0
     vals = vals * s16[:, :, :, :, :, :, None, None, None, None]
-    vals = tl.reshape(vals, (REP, 2, W, 8, 2, 2, 2, 2, 2, 2, 2))     # c -> c1, c0
-    # dims: rep h w r c1 c0 j1 j0 e2 e1 e0 -> rows (rep w h r), columns (j1 j0 e2 e1 c1 c0 e0)
-    vals = tl.permute(vals, (0, 2, 1, 3, 6, 7, 8, 9, 4, 5, 10))
+    vals = tl.reshape(vals, (REP, 2, W, 8, 2, 2, J, 2, 2, 2))        # c -> c1, c0
+    # dims: rep h w r c1 c0 j e2 e1 e0 -> rows (rep w h r), columns (j e2 e1 c1 c0 e0)
+    vals = tl.permute(vals, (0, 2, 1, 3, 6, 7, 8, 4, 5, 9))
     return tl.reshape(vals, (REP * W * 16, D))
 
 
 @triton.jit
-def vt_row_to_d(i):
-    """Head-dim element held by row i of load_vt_mma's V^T (D = 128): row
-    i = 64 m + 16 w + 8 h + r holds d = 4 (8 w + r) + 2 m + h (quad 8 w + r, element 2 m + h)."""
-    return 4 * (8 * ((i >> 4) & 3) + (i & 7)) + 2 * (i >> 6) + ((i >> 3) & 1)
+def vt_row_to_d(i, D: tl.constexpr = 128):
+    """Head-dim element held by row i of load_vt_mma's V^T. D = 128: row
+    i = 64 m + 16 w + 8 h + r holds d = 4 (8 w + r) + 2 m + h (quad 8 w + r, element 2 m + h);
+    D = 256: i = 128 m1 + 64 m + 16 w + 8 h + r holds d = 4 (32 m1 + 8 w + r) + 2 m + h;
+    D = 64: i = 16 w + 8 h + r holds d = 16 w + 2 r + h (quad 4 w + r // 2, element
+    2 (r % 2) + h)."""
+    if D == 64:
+        d = 16 * ((i >> 4) & 3) + 2 * (i & 7) + ((i >> 3) & 1)
+    else:
+        d = (4 * (8 * ((i >> 4) & 3) + (i & 7)) + 2 * ((i >> 6) & 1) + ((i >> 3) & 1)
+             + 128 * (i >> 7))
+    return d
 
 
 @triton.jit
 def load_vt_mma(cache_ptr, chunk_off, chunk_tok, tok0, hi, head, H: tl.constexpr,
-                N: tl.constexpr, USE_ASM: tl.constexpr):
-    """Dequantize V^T of a tile of 16 S tokens (D = 128, 4 warps) from V's token-pair words,
-    already in the register layout of a Hopper wgmma A operand (rows: head dim, contraction:
-    tokens), so no shared-memory transpose. The tile is S chunks of 16 tokens: chunk s starts
-    at token tok0 + 16 s, in the page at byte offset chunk_off [S] (int64) at token
-    chunk_tok [S]; chunks from hi on are not loaded, tokens >= hi inside a chunk must get
-    P = 0. Thread (warp w, lane 4 r + c) decodes quad 8 w + r of V slots 4c .. 4c+3 (tokens
-    2c, 2c+1, 2c+8, 2c+9: two words and a word of scales per chunk). Returns fp16 [128, 16 S]
-    = true values * 2**-7, rows in vt_row_to_d order, columns the tile's tokens in order."""
-    D: tl.constexpr = 128
+                N: tl.constexpr, USE_ASM: tl.constexpr, D: tl.constexpr = 128):
+    """Dequantize V^T of a tile of 16 S tokens (D = 64, 128 or 256; 4 warps) from V's
+    token-pair words, already in the register layout of a Hopper wgmma A operand (rows: head
+    dim, contraction: tokens), so no shared-memory transpose. The tile is S chunks of 16
+    tokens: chunk s starts at token tok0 + 16 s, in the page at byte offset chunk_off [S]
+    (int64) at token chunk_tok [S]; chunks from hi on are not loaded, tokens >= hi inside a
+    chunk must get P = 0. Thread (warp w, lane 4 r + c) decodes quad 8 w + r (and, at
+    D = 256, quad 32 + 8 w + r) of V slots 4c .. 4c+3 (tokens 2c, 2c+1, 2c+8, 2c+9: two words
+    and a word of scales per chunk and quad). At D = 64 a warp's 8 rows r per column quarter c
+    outnumber its 4 quads, so lanes 4 r + c and 4 (r ^ 1) + c load the same words of quad
+    4 w + r // 2 and keep elements 2 (r % 2) + h of it (v_word_half_fp16). Returns fp16
+    [D, 16 S] = true values * 2**-7, rows in vt_row_to_d order, columns the tile's tokens in
+    order."""
     S: tl.constexpr = chunk_off.shape[0]
     side = cache_ptr + chunk_off[:, None] + H * N * (D // 2 + D // 16)
     slot0 = chunk_tok[:, None]                       # the chunk's first V slot (16-aligned)
@@ -359,22 +428,36 @@ def load_vt_mma(cache_ptr, chunk_off, chunk_tok, tok0, hi, head, H: tl.constexpr
     live = (tok0 + 16 * tl.arange(0, S) < hi)[:, None]
     # loaded as [chunk, 32-byte quad row piece]: lanes then run along memory, so each warp
     # reads whole sectors (the [S, w, r, c, u] pointer tensor put lanes across chunks)
-    j = tl.arange(0, 256)[None, :]                   # word 8 q + 2 c + u of the chunk
+    j = tl.arange(0, 2 * D)[None, :]                 # word 8 q + 2 c + u of the chunk
     words = tl.load((side + head * (N * (D // 2))).to(tl.pointer_type(tl.int32))
                     + (j // 8) * (N // 2) + slot0 // 2 + j % 8, mask=live, other=0)
-    words = tl.reshape(words, (S, 4, 8, 4, 2))                            # [S, w, r, c, u]
-    # the scales of slots 4c .. 4c+3 (= 4c + 2u + p) of group g = 2 w + r // 4: the chunk's
-    # 8 groups x 16 slots as 32 words, each read by the 4 lanes of its group's quads
-    k = tl.arange(0, 32)[None, :]                    # word 4 g + c
+    # the scales of slots 4c .. 4c+3 (= 4c + 2u + p) of group g = q // 4: the chunk's
+    # D/16 groups x 16 slots as D/4 words, each read by the 4 lanes of its group's quads
+    k = tl.arange(0, D // 4)[None, :]                # word 4 g + c
     sc = tl.load((side + H * N * (D // 2) + head * (N * (D // 16))).to(tl.pointer_type(tl.int32))
                  + (k // 4) * (N // 4) + slot0 // 4 + k % 4, mask=live, other=0)
-    sc = tl.broadcast_to(tl.reshape(sc, (S, 4, 2, 1, 4)), (S, 4, 2, 4, 4))
-    sc = tl.reshape(sc, (S, 4, 8, 4))                                     # [S, w, r, c]
-    s16 = _e4m3_word_fp16(sc, USE_ASM) * tl.full((), 32768.0, tl.float16)  # [.., u, p]
-    vals = word_values(words, USE_ASM, True)                              # [.., u, m, h, p]
-    vals = vals * s16[:, :, :, :, :, None, None, :]
-    # dims: s w r c u m h p -> rows (m w h r), columns (s u c p) = token 16 s + 8 u + 2 c + p
-    return tl.reshape(tl.permute(vals, (5, 1, 6, 2, 0, 4, 3, 7)), (D, 16 * S))
+    if D == 64:
+        # quad 4 w + r1 (r = 2 r1 + r0) for both lanes r0: [S, w, r1, r0, c, u]
+        words = tl.broadcast_to(tl.reshape(words, (S, 4, 4, 1, 4, 2)), (S, 4, 4, 2, 4, 2))
+        words = tl.reshape(words, (S, 4, 8, 4, 2))                        # [S, w, r, c, u]
+        sc = tl.broadcast_to(tl.reshape(sc, (S, 4, 1, 4)), (S, 4, 8, 4))  # group w: [S, w, r, c]
+        s16 = _e4m3_word_fp16(sc, USE_ASM) * tl.full((), 32768.0, tl.float16)  # [.., u, p]
+        vals = v_word_half_fp16(words, USE_ASM)                           # [.., u, h, p]
+        vals = vals * s16[:, :, :, :, :, None, :]
+        # dims: s w r c u h p -> rows (w h r), columns (s u c p)
+        vt = tl.reshape(tl.permute(vals, (1, 5, 2, 0, 4, 3, 6)), (D, 16 * S))
+    else:
+        M1: tl.constexpr = D // 128                  # quad 32 m1 + 8 w + r
+        words = tl.reshape(words, (S, M1, 4, 8, 4, 2))                    # [S, m1, w, r, c, u]
+        sc = tl.broadcast_to(tl.reshape(sc, (S, M1, 4, 2, 1, 4)), (S, M1, 4, 2, 4, 4))
+        sc = tl.reshape(sc, (S, M1, 4, 8, 4))                             # [S, m1, w, r, c]
+        s16 = _e4m3_word_fp16(sc, USE_ASM) * tl.full((), 32768.0, tl.float16)  # [.., u, p]
+        vals = word_values(words, USE_ASM, True)                          # [.., u, m, h, p]
+        vals = vals * s16[:, :, :, :, :, :, None, None, :]
+        # dims: s m1 w r c u m h p -> rows (m1 m w h r), columns (s u c p) = token
+        # 16 s + 8 u + 2 c + p
+        vt = tl.reshape(tl.permute(vals, (1, 6, 2, 7, 3, 0, 5, 4, 8)), (D, 16 * S))
+    return vt
 
 
 @triton.jit

@@ -11,19 +11,23 @@ decoding) with an LSE reduction; the split count depends only on the batch shape
 launch can be captured in a CUDA graph.
 
 Both products are written transposed (S^T = K Q^T, O^T = V^T P^T) so that the freshly decoded
-tile is the MMA's A operand, which Hopper's wgmma takes from registers. At D = 128 on Hopper K
-is decoded straight into that operand's register layout (codec.load_tile_mma; Q is loaded with
-its head dim in the same permuted order) and so is V^T, from the page's token-pair V words
-(codec.load_vt_mma; the output is stored in its row order), so no decoded value goes through
-shared memory (elsewhere the dots are mma.sync and K and V are decoded in rows: has_wgmma).
+tile is the MMA's A operand, which Hopper's wgmma takes from registers. At D = 64, 128 and 256
+on Hopper K is decoded straight into that operand's register layout (codec.load_tile_mma; Q is
+loaded with its head dim in the same permuted order) and so is V^T, from the page's token-pair
+V words (codec.load_vt_mma; the output is stored in its row order), so no decoded value goes
+through shared memory (elsewhere, and at other head sizes, the dots are mma.sync or K and V
+are decoded in rows: has_wgmma, MMA_HEAD_DIMS). Each head size has its tile, register cap
+and programs per SM (HOPPER_LAUNCHES).
 The raw page bytes do: Triton pipelines every load of the loop through cp.async into shared
 memory, in the layout of the load's pointer tensor, so the loaders shape their pointers as
 [16-token chunk, contiguous bytes] (each warp reads whole sectors) and relabel afterwards.
-Instructions per KV byte (evals/profile_decode.py: 0.209 in the sm_90 loop) and latency
-hiding at 3 programs per SM bound it (evals/RESULTS.md, "What bounds it").
+Instructions per KV byte (evals/profile_decode.py: 0.217 in the sm_90 loop at D = 128, 0.30 at
+64, 0.21 at 256) and latency hiding at 3-4 programs per SM bound it (evals/RESULTS.md, "What
+bounds it").
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -66,8 +70,8 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     heads = kvh * QPK + gq
     d = tl.arange(0, G_PAD * 16)
     qo_mask = (gq < QPK)[:, None] & (d < D)[None, :]
-    qd = mma_col_to_d(d) if MMA_K else d  # Q's head dim in the order K is decoded in
-    od = vt_row_to_d(d) if MMA_V else d   # the output's, in the order V^T is decoded in
+    qd = mma_col_to_d(d, D) if MMA_K else d  # Q's head dim in the order K is decoded in
+    od = vt_row_to_d(d, D) if MMA_V else d   # the output's, in the order V^T is decoded in
     q_rows = q_ptr + b * stride_qt + heads[:, None] * stride_qh
     q = _load_q(q_rows, qd, qo_mask)
 
@@ -120,7 +124,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
             tmask = tmask & (tok >= start)
         if MMA_K:
             st = tl.dot(load_tile_mma(cache_ptr, chunk_off, kvh * N + chunk_tok, live, H, N, NW,
-                                      USE_ASM), tl.trans(q))
+                                      USE_ASM, D), tl.trans(q))
         else:
             k = load_page_rows(cache_ptr, page_off, row, 0, tmask, H, N, D, G_PAD, USE_ASM)
             st = tl.dot(k, tl.trans(q))
@@ -142,7 +146,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
             l_i = l_i * alpha + tl.sum(p, axis=1)
         pt = tl.trans(p.to(tl.float16))
         if MMA_V:  # V^T straight into the A operand's registers (codec.load_vt_mma)
-            vt = load_vt_mma(cache_ptr, chunk_off, chunk_tok, n0, hi, kvh, H, N, USE_ASM)
+            vt = load_vt_mma(cache_ptr, chunk_off, chunk_tok, n0, hi, kvh, H, N, USE_ASM, D)
             acc = tl.dot(vt, pt, acc * alpha[None, :])
         elif V_HALVES:  # half the head dim at a time: half the shared-memory staging of V^T
             v = load_page_rows(cache_ptr, page_off, row, 1, tmask, H, N, D, G_PAD // 2,
@@ -223,6 +227,17 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
              mask=d < D)
 
 
+@dataclasses.dataclass(frozen=True)
+class HopperLaunch:
+    """The Hopper launch at one head size: tokens per tile, the programs of its sm_90 build
+    (4 warps, 4 load stages, K and V^T decoded into the wgmma operands) that fit one SM
+    (tests/test_compile.py checks them against the compiler), and the register cap that makes
+    them fit (ptxas's maxnreg; None: none, the build needs no spill either way)."""
+    block_n: int
+    programs_per_sm: int
+    maxnreg: int | None = None
+
+
 # Launch variants, A/B'd by evals/bench_decode.py --ab and chosen in the backend by
 # NVFP4KV_DECODE_VARIANT. The default on Hopper at D = 128 decodes V^T straight into the MMA
 # operand (mma_v); "v_rows" decodes V in rows and transposes it through shared memory (P.V
@@ -241,13 +256,26 @@ DECODE_VARIANTS = {
     "bt_ahead_s3": dict(bt_ahead=True, num_stages=3),
     # the split-KV count and tile size before 2026-12-06 (choose_num_splits)
     "per_sm8": dict(split_rule="per_sm8"),
+    # other Hopper launches at D = 64 and 256 (HOPPER_LAUNCHES; the split count follows the
+    # variant's programs per SM where decode_attention chooses it, as bench_decode does; the
+    # backend's metadata builder keeps the default's): D = 64 capped at 96 registers (5
+    # programs per SM, 0.31 warp-instructions per KV byte against 0.30), in 64-token tiles
+    # (6 per SM, 0.38) or 256 (2 per SM, 0.26); D = 256 without the register cap (179
+    # registers, 2 per SM)
+    "d64_r96": dict(launches={64: HopperLaunch(128, 5, 96)}),
+    "d64_bn64": dict(launches={64: HopperLaunch(64, 6)}),
+    "d64_bn256": dict(launches={64: HopperLaunch(256, 2)}),
+    "d256_uncapped": dict(launches={256: HopperLaunch(64, 2)}),
 }
 
 
+MMA_HEAD_DIMS = (64, 128, 256)  # the head sizes codec.load_tile_mma / load_vt_mma decode
+
+
 def mma_k_applies(d: int, num_warps: int, block_n: int) -> bool:
-    """Whether codec.load_tile_mma's register layout fits the launch (D = 128, a wgmma row
-    block of 16 rows per warp, 4 or 8 warps)."""
-    return d == 128 and num_warps in (4, 8) and block_n >= 16 * num_warps
+    """Whether codec.load_tile_mma's register layout fits the launch (D = 64, 128 or 256, a
+    wgmma row block of 16 rows per warp, 4 or 8 warps)."""
+    return d in MMA_HEAD_DIMS and num_warps in (4, 8) and block_n >= 16 * num_warps
 
 
 @functools.lru_cache
@@ -270,19 +298,32 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Programs of the Hopper launch at D = 128 (128-token tiles, 4 warps, 4 stages) that fit one
-# SM: 165 registers x 128 threads and 62 KB of shared memory allow 3 (the sm_90 build;
-# tests/test_compile.py checks it against the compiler).
-HOPPER_PROGRAMS_PER_SM = 3
+# D = 128: 165 registers x 128 threads and 62 KB of shared memory allow 3. D = 64: 103 and
+# 33 KB allow 4 (128-token tiles: 0.30 warp-instructions per KV byte in the loop, 0.37 at 64,
+# evals/profile_decode.py). D = 256: 64-token tiles (128 need 250 registers), 179 registers
+# uncapped (2 programs), 168 capped without a spill (3), 64 KB. Timed at D = 128 only
+# (2026-12-06); the others are the same rule on the static figures (DECODE_VARIANTS A/B them).
+HOPPER_LAUNCHES = {64: HopperLaunch(128, 4), 128: HopperLaunch(128, 3),
+                   256: HopperLaunch(64, 3, 168)}
+HOPPER_PROGRAMS_PER_SM = HOPPER_LAUNCHES[128].programs_per_sm
 # how the split-KV count and tile size are chosen where the caller gives none: "waves" (one
 # wave of programs on Hopper, since 2026-12-06) or "per_sm8" (before; DECODE_VARIANTS)
 DEFAULT_SPLIT_RULE = "waves"
 
 
-def _wave_launch(device: torch.device, head_dim: int, rule: str) -> bool:
-    """Whether the one-wave launch applies: rule "waves" where it was measured, Hopper's
-    kernel at D = 128 (the interpreter follows it, as has_wgmma)."""
-    return rule == "waves" and has_wgmma(device) and head_dim == 128
+def hopper_launch(head_dim: int, launches: dict | None = None) -> HopperLaunch | None:
+    """The Hopper launch at head_dim (launches: per-head-size replacements of HOPPER_LAUNCHES,
+    a DECODE_VARIANTS entry's), None where K and V^T have no wgmma operand decoder."""
+    return {**HOPPER_LAUNCHES, **(launches or {})}.get(head_dim)
+
+
+def _wave_launch(device: torch.device, head_dim: int, rule: str,
+                 launches: dict | None = None) -> HopperLaunch | None:
+    """The launch of the one-wave rule where it applies: rule "waves", Hopper's kernel at
+    the head sizes of HOPPER_LAUNCHES (the interpreter follows it, as has_wgmma)."""
+    if rule == "waves" and has_wgmma(device):
+        return hopper_launch(head_dim, launches)
+    return None
 
 
 def clamp_splits(want: int, max_seq_len: int) -> int:
@@ -291,31 +332,37 @@ def clamp_splits(want: int, max_seq_len: int) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                      head_dim: int = 128, rule: str = DEFAULT_SPLIT_RULE) -> int:
+                      head_dim: int = 128, rule: str = DEFAULT_SPLIT_RULE,
+                      launches: dict | None = None) -> int:
     """Split-KV count from the batch shape only (so a CUDA graph captured for a batch size
     stays valid for any sequence length), at least 256 tokens per split, at most 64.
-    On Hopper at D = 128, where one wave of resident programs (HOPPER_PROGRAMS_PER_SM per SM)
-    gives each KV head of the batch 4 or more splits (batch x KV heads <= 99 on 132 SMs): as
-    many as fill that one wave. A grid of 1.05-1.5 waves ran up to 1.3x slower than one whole
-    wave, and the rule below gave 1.3-2.7 waves at batch 1-8 (H100 split sweeps, 2026-12-06,
-    evals/RESULTS.md). Larger batches, where one wave would leave each head 1-3 long splits
-    (1-8% slower than more waves), other head sizes and other GPUs (untimed), and rule
-    "per_sm8" (the rule everywhere before 2026-12-06; DECODE_VARIANTS): about 8 programs per
-    SM (the H200 sweep of an older kernel, 2026-12-04)."""
+    On Hopper at D = 64, 128, 256, where one wave of resident programs (HOPPER_LAUNCHES: 3 or
+    4 per SM) gives each KV head of the batch 4 or more splits (batch x KV heads <= 99 on 132
+    SMs at 3): as many as fill that one wave. A grid of 1.05-1.5 waves ran up to 1.3x slower
+    than one whole wave, and the rule below gave 1.3-2.7 waves at batch 1-8 (H100 split
+    sweeps at D = 128, 2026-12-06, evals/RESULTS.md). Larger batches, where one wave would
+    leave each head 1-3 long splits (1-8% slower than more waves), other head sizes and other
+    GPUs (untimed), and rule "per_sm8" (the rule everywhere before 2026-12-06;
+    DECODE_VARIANTS): about 8 programs per SM (the H200 sweep of an older kernel, 2026-12-04).
+    launches: replacements of HOPPER_LAUNCHES (hopper_launch)."""
     programs = max(1, batch * num_kv_heads)
     sms = _num_sms(device)
-    one_wave = (HOPPER_PROGRAMS_PER_SM * sms // programs
-                if _wave_launch(device, head_dim, rule) else 0)
+    launch = _wave_launch(device, head_dim, rule, launches)
+    one_wave = launch.programs_per_sm * sms // programs if launch else 0
     want = one_wave if one_wave >= 4 else math.ceil(8 * sms / programs)
     return clamp_splits(want, max_seq_len)
 
 
 def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,
-                   rule: str = DEFAULT_SPLIT_RULE) -> int:
-    """Tokens per tile: 128 on Hopper at D = 128 (as fast as 64 or faster at 110 of 116 split
-    counts of the 2026-12-06 sweeps, at most 6% slower at the others); elsewhere, and under
-    rule "per_sm8", short splits take 64 (an H200 with an older kernel, bench_decode --tune)."""
-    return 128 if _wave_launch(device, head_dim, rule) or num_splits < 16 else 64
+                   rule: str = DEFAULT_SPLIT_RULE, launches: dict | None = None) -> int:
+    """Tokens per tile: HOPPER_LAUNCHES' on Hopper (D = 128: 128, as fast as 64 or faster at
+    110 of 116 split counts of the 2026-12-06 sweeps, at most 6% slower at the others);
+    elsewhere, and under rule "per_sm8", short splits take 64 (an H200 with an older kernel,
+    bench_decode --tune)."""
+    launch = _wave_launch(device, head_dim, rule, launches)
+    if launch:
+        return launch.block_n
+    return 128 if num_splits < 16 else 64
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -327,7 +374,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      use_asm: bool | None = None, mma_k: bool | None = None,
                      v_halves: bool = True, mma_v: bool | None = None,
                      bt_ahead: bool | None = None,
-                     split_rule: str = DEFAULT_SPLIT_RULE) -> torch.Tensor:
+                     split_rule: str = DEFAULT_SPLIT_RULE,
+                     launches: dict | None = None) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -336,11 +384,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     num_splits: split-KV count (default from choose_num_splits with max_seq_len).
     use_asm: the inline-PTX word decoder (default on CUDA; False: the portable formula).
     mma_k: decode K straight into the MMA's register layout (codec.load_tile_mma; default on
-    Hopper (has_wgmma) where it applies: D = 128, 4 warps, tiles of 64 or 128 tokens).
+    Hopper (has_wgmma) where it applies: D = 64, 128 or 256, 4 or 8 warps, tiles of at least
+    16 tokens per warp).
     v_halves (default): where V is decoded in rows, P.V in two halves of the head dim, so V^T's
     shared-memory staging is half as large (3-5% faster than the full width on the H200).
     mma_v: decode V^T straight into the MMA's register layout (codec.load_vt_mma; default
-    where K is (mma_k) and the launch has 4 warps).
+    where K is (mma_k) and the launch has 4 warps; at D = 64 on Hopper only).
     bt_ahead: load each tile's block-table entries one tile ahead, so the K/V byte loads no
     longer wait on a load of their own iteration and Triton's pipeliner keeps num_stages - 1
     tiles in flight instead of draining every tile (with num_stages >= 3; evals/RESULTS.md,
@@ -349,7 +398,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     batch >= 4 on an H200, evals/results/decode_ab_h200_bt_ahead.json); elsewhere off with 2
     stages (untimed).
     split_rule: how num_splits and block_n are chosen where not given ("waves", or
-    "per_sm8": the rule before 2026-12-06; choose_num_splits)."""
+    "per_sm8": the rule before 2026-12-06; choose_num_splits).
+    launches: {head_dim: HopperLaunch} replacing HOPPER_LAUNCHES' (a DECODE_VARIANTS entry's):
+    the tile and split count where not given, and the register cap of a launch with K and V^T
+    in the MMA layouts in that launch's tile size."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -361,8 +413,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     dev = q.device
     if num_splits is None:
         max_seq_len = max_seq_len or block_table.shape[1] * n
-        num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev, d, split_rule)
-    block_n = block_n or choose_block_n(num_splits, dev, d, split_rule)
+        num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev, d, split_rule, launches)
+    block_n = block_n or choose_block_n(num_splits, dev, d, split_rule, launches)
     if block_n not in (32, 64, 128, 256):
         # 16-token tiles gave wrong results on an H200 with Triton 3.6 (correct in the
         # interpreter); refused until that is understood
@@ -370,11 +422,17 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     qpk = hq // hkv
     mma_ok = mma_k_applies(d, num_warps, block_n)
     mma_k = mma_ok and (has_wgmma(dev) if mma_k is None else mma_k)
-    mma_v = mma_k and num_warps == 4 if mma_v is None else mma_v
-    assert not mma_v or (mma_k and num_warps == 4), "mma_v needs mma_k and 4 warps"
+    # at D = 64 load_vt_mma decodes by lane id, right in the wgmma operand layout only
+    wgmma_v = d != 64 or has_wgmma(dev)
+    mma_v = mma_k and num_warps == 4 and wgmma_v if mma_v is None else mma_v
+    assert not mma_v or (mma_k and num_warps == 4 and wgmma_v), \
+        "mma_v needs mma_k, 4 warps, and at D = 64 Hopper"
+
     bt_ahead = mma_v and block_n <= 128 if bt_ahead is None else bt_ahead
     if num_stages is None:
         num_stages = 4 if bt_ahead else 2
+    launch = hopper_launch(d, launches)
+    maxnreg = launch.maxnreg if launch and mma_v and block_n == launch.block_n else None
     k_scale, v_scale = device_scalar(k_scale, dev), device_scalar(v_scale, dev)
     # the split count is a runtime argument (S_PAD covers up to 64): an eager mixed batch
     # with any number of decodes reuses the compiled kernels instead of compiling new ones
@@ -396,7 +454,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         MMA_K=mma_k, NW=num_warps,
         V_HALVES=v_halves and d >= 32, MMA_V=mma_v, BT_AHEAD=bt_ahead,
         num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](
             part_out, part_lse, sinks_arg, out, out.stride(0), out.stride(1), num_splits,

@@ -2,12 +2,14 @@
 (sm_90), with Triton's bundled ptxas: runs on a CPU-only machine, so CI catches code the
 interpreter accepts but the compiler rejects (constexpr globals, inline PTX, layouts),
 floating-point contraction the interpreter would not show (the writer is compiled without),
-and the resident programs per SM that the decode launcher's split rule assumes.
+and, per head size, the resident programs per SM that the decode launcher's split rule
+assumes, without spills, with K and V^T decoded straight into the wgmma operands.
 
 The compilation runs in a subprocess: kernels imported under TRITON_INTERPRET=1 (the other
 tests on a CPU) are interpreter objects, not compilable."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -31,28 +33,46 @@ def _compile_all() -> dict:
     return failures
 
 
-def _decode_programs_per_sm() -> int:
-    """Programs of the Hopper decode launch (D = 128, 128-token tiles, the default pipeline)
-    that fit one SM, from the sm_90 build's registers and shared memory."""
+def _register_operand_dots(kernel) -> list[bool]:
+    """For each wgmma of the kernel's TTGIR: whether its A operand comes from registers as
+    computed (not read back from shared memory or converted: ttg.local_load /
+    ttg.convert_layout)."""
+    ir = kernel.asm["ttgir"]
+    defs = {m.group(1): m.group(2) for m in re.finditer(r"(%[\w.]+)(?::\d+)? = ([\w.]+)", ir)}
+    return [defs.get(a) not in ("ttg.local_load", "ttg.convert_layout")
+            for a in re.findall(r"ttng\.warp_group_dot (%[\w.]+)", ir)]
+
+
+def _hopper_launches() -> dict:
+    """Per head size of decode.HOPPER_LAUNCHES, the sm_90 build of the launch (its tile, the
+    default pipeline, its register cap; GQA 8, softcap, window and sinks on): registers,
+    spill stack, programs per SM, and whether every wgmma takes its A operand from
+    registers (K and V^T decoded straight into the operand layouts; at D = 64 load_vt_mma's
+    lane-dependent decode is right only in that layout)."""
     from vllm_nvfp4kv.kernels import aot
-    fn, sig, _, warps = aot.specs()["decode"]
-    k = aot.compile_kernel(fn, sig, aot.decode_constexprs(block_n=128, bt_ahead=True), 90,
-                           warps, aot.STAGES["decode"])
-    return aot.resources(k, 90)["programs_per_sm"]
+    from vllm_nvfp4kv.kernels.decode import HOPPER_LAUNCHES
+    out = {}
+    for d in HOPPER_LAUNCHES:
+        k = aot.compile_hopper_decode(d, qpk=8, features=True)
+        out[d] = {**aot.resources(k, 90), "register_operands": _register_operand_dots(k)}
+    return out
 
 
 def test_kernels_compile_for_sm80_sm89_sm90():
-    from vllm_nvfp4kv.kernels.decode import HOPPER_PROGRAMS_PER_SM
+    from vllm_nvfp4kv.kernels.decode import HOPPER_LAUNCHES
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["failures"] == {}
-    # choose_num_splits fills one wave of this many programs per SM on Hopper
-    assert out["decode_sm90_programs_per_sm"] == HOPPER_PROGRAMS_PER_SM
+    # choose_num_splits fills one wave of this many programs per SM on Hopper, per head size
+    for d, launch in HOPPER_LAUNCHES.items():
+        got = out["hopper_launches"][str(d)]
+        assert got["programs_per_sm"] == launch.programs_per_sm, (d, got)
+        assert got["stack"] == 0, (d, got)  # no spills, also under the register cap
+        assert len(got["register_operands"]) == 2 and all(got["register_operands"]), (d, got)
 
 
 if __name__ == "__main__":
-    print(json.dumps({"failures": _compile_all(),
-                      "decode_sm90_programs_per_sm": _decode_programs_per_sm()}))
+    print(json.dumps({"failures": _compile_all(), "hopper_launches": _hopper_launches()}))

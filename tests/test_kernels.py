@@ -792,6 +792,75 @@ def test_decode_block_n(device, d, block_n, mma_k, warps, qpk, kw):
         _check_decode(out, ref, seq_lens)
 
 
+MMA_HEAD_DIM_CASES = [
+    # head_dim, GQA ratio, kv heads, page, seq_lens, splits, block_n (None: the launcher's),
+    # sliding window, softcap, sinks
+    pytest.param(64, 1, 2, 16, [1, 150, 0, 33], 2, None, None, 0.0, False, id="d64-mha-default"),
+    pytest.param(64, 3, 3, 16, [90, 17], 1, 64, 40, 0.0, True, id="d64-gqa3-bn64-window-sinks"),
+    # gpt-oss: 64 q / 8 kv heads, sinks, a 128-token sliding window
+    pytest.param(64, 8, 1, 32, [300, 5], 3, 128, 128, 0.0, True, id="d64-gqa8-window128-sinks"),
+    pytest.param(64, 16, 1, 16, [200, 1], 2, 256, None, 30.0, False, id="d64-gqa16-bn256-softcap"),
+    pytest.param(256, 4, 1, 16, [130, 0, 64], 3, None, None, 0.0, False, id="d256-gqa4-default"),
+    # Qwen3-Next / Qwen3.5 gated attention: 16 q / 2 kv heads at 256
+    pytest.param(256, 8, 2, 16, [100, 17], 2, 64, 37, 0.0, True, id="d256-gqa8-window-sinks"),
+    pytest.param(256, 1, 1, 32, [70], 1, 128, None, 20.0, True, id="d256-mha-bn128-softcap-sinks"),
+    pytest.param(256, 16, 1, 16, [40, 3], 2, 64, 21, 5.0, False, id="d256-gqa16-window-softcap"),
+]
+
+
+@pytest.mark.parametrize("d,qpk,hkv,n,seq_lens,splits,block_n,window,softcap,sinks",
+                         MMA_HEAD_DIM_CASES)
+def test_decode_mma_head_dims(device, monkeypatch, d, qpk, hkv, n, seq_lens, splits, block_n,
+                              window, softcap, sinks):
+    """K and V^T decoded straight into the wgmma operands at D = 64 and 256 (codec.load_tile_mma
+    with D/32 words per lane quarter; codec.load_vt_mma with two quads per thread at 256, and
+    at 64 half a quad per lane, v_word_half_fp16): GQA ratios 1-16, 64-256-token tiles and the
+    launcher's own (HOPPER_LAUNCHES: 128 at D = 64, 64 with a register cap at 256), sliding
+    windows starting inside a 16-token chunk, softcap and sinks, one and several splits."""
+    from vllm_nvfp4kv.kernels import decode as dec
+    seen = []
+    kernel = dec._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["MMA_K"], kw["MMA_V"], kw["BLOCK_N"], kw.get("maxnreg")))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(dec, "_decode_kernel", Spy())
+    k_scale, v_scale = 1.25, 0.4
+    cache, table, q, sl = _decode_case(device, d, n, hkv, qpk, seq_lens, k_scale, v_scale,
+                                       seed=11 + qpk)
+    sink_t = (torch.randn(hkv * qpk, generator=_gen(qpk)) * 3).to(device) if sinks else None
+    sm = 2.0 * d ** -0.5
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+    K.decode_attention(q, cache, table, sl, out, sm, k_scale, v_scale, sliding_window=window,
+                       softcap=softcap, sinks=sink_t, num_splits=splits, block_n=block_n)
+    ref = _ref_decode(q, cache, table, sl, sm, k_scale, v_scale, sliding_window=window,
+                      softcap=softcap, sinks=sink_t)
+    _check_decode(out, ref, seq_lens)
+    launch = dec.HOPPER_LAUNCHES[d]
+    bn = block_n or launch.block_n
+    cap = launch.maxnreg if bn == launch.block_n else None
+    assert seen == [(True, True, bn, cap)]
+
+
+@pytest.mark.parametrize("variant", ["d64_r96", "d64_bn64", "d64_bn256", "d256_uncapped"])
+def test_decode_head_dim_variants(device, variant):
+    """The DECODE_VARIANTS launches at D = 64 and 256 (tile, register cap, split count from
+    their programs per SM) against the reference."""
+    from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS
+    d = 64 if variant.startswith("d64") else 256
+    seq_lens = [260, 9]
+    cache, table, q, sl = _decode_case(device, d, 16, 1, 4, seq_lens, seed=5)
+    ref = _ref_decode(q, cache, table, sl, 0.1, 1.0, 1.0)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, max_seq_len=max(seq_lens),
+                       **DECODE_VARIANTS[variant])
+    _check_decode(out, ref, seq_lens)
+
+
 def test_decode_defaults_per_gpu_generation(device, monkeypatch):
     """K straight into the MMA layout is a Hopper (wgmma) default; on an Ampere/Ada GPU
     (has_wgmma False) the launcher decodes K through shared memory, an explicit choice still
@@ -918,7 +987,18 @@ def test_choose_num_splits():
     # fewer than 4 splits per head in one wave: about 8 programs per SM instead
     for programs in (wave // 4 + 1, wave, 3 * wave):
         assert K.choose_num_splits(programs, 1, 10 ** 6, dev) == math.ceil(8 * sms / programs)
-    assert choose_block_n(32, dev, head_dim=256) == 64  # other head sizes: the older rule
+    # other head sizes with a wgmma decoder: their launch's tile and programs per SM
+    from vllm_nvfp4kv.kernels.decode import HOPPER_LAUNCHES, HopperLaunch
+    for d, launch in HOPPER_LAUNCHES.items():
+        s = K.choose_num_splits(1, 3, 10 ** 6, dev, head_dim=d)
+        assert s == min(64, launch.programs_per_sm * sms // 3)
+        assert choose_block_n(s, dev, head_dim=d) == launch.block_n
+    other = {64: HopperLaunch(64, 6)}
+    assert K.choose_num_splits(1, 3, 10 ** 6, dev, head_dim=64, launches=other) == 6 * sms // 3
+    assert choose_block_n(8, dev, head_dim=64, launches=other) == 64
+    # head sizes without one (80, 96): the older rule
+    assert choose_block_n(32, dev, head_dim=96) == 64 and choose_block_n(8, dev, head_dim=96) == 128
+    assert K.choose_num_splits(1, 2, 10 ** 6, dev, head_dim=96) == math.ceil(8 * sms / 2)
     # the older rule by name (NVFP4KV_DECODE_VARIANT=per_sm8)
     assert K.choose_num_splits(1, 2, 10 ** 6, dev, rule="per_sm8") == math.ceil(8 * sms / 2)
     assert choose_block_n(32, dev, rule="per_sm8") == 64
