@@ -13,3 +13,41 @@ def garbage(shape, gen) -> torch.Tensor:
     x[pick < 0.125] = 0x7F
     x[(pick >= 0.125) & (pick < 0.25)] = 0xFF
     return x
+
+
+# vLLM's CPU_ATTN (the BF16 engines the tests compare against) takes blocks of a multiple of
+# 16 tokens in 0.26 and of 32 from 0.32: one size that both lines, and our backend, accept
+CPU_BLOCK_SIZE = 32
+
+
+def nvfp4_spec(block_size: int, num_kv_heads: int, head_size: int, head_size_v=None):
+    """vLLM's KV-cache spec of an nvfp4 layer served by our backend, as the installed vLLM
+    builds it (from 0.32 the backend publishes the page's packing: customize_spec)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+    from vllm_nvfp4kv import compat
+    from vllm_nvfp4kv.backend import NvFp4AttentionBackend
+    spec = FullAttentionSpec(block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                             head_size_v=head_size_v or head_size, dtype=torch.uint8,
+                             kv_quant_mode=get_kv_quant_mode("nvfp4"))
+    return NvFp4AttentionBackend.customize_spec(spec) if compat.has_layout_api() else spec
+
+
+def vllm_cache_view(raw: torch.Tensor, spec, num_blocks: int) -> torch.Tensor:
+    """One layer's KV cache as the installed vLLM views its raw int8 buffer for our backend:
+    0.26 reshapes it with the backend's shape and stride order; from 0.32 it lays the spec's
+    [B, H, N, C] bytes out in the layout resolved from the backends' declarations."""
+    from vllm_nvfp4kv import compat
+    from vllm_nvfp4kv.backend import NvFp4AttentionBackend as B
+    if not compat.has_layout_api():
+        from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
+        shape = B.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads,
+                                     spec.head_size)
+        return _reshape_attention_kv_cache(raw, spec, shape, B.get_kv_cache_stride_order(),
+                                           num_blocks, None)
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(size=num_blocks * page, layers=["layer"],
+                           layer_stride=num_blocks * page, block_stride=page)
+    return create_kv_cache_views(raw, spec, num_blocks, B.supported_kv_cache_layouts()[0],
+                                 tensor)[0]

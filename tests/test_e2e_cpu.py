@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import CPU_BLOCK_SIZE
+
 vllm = pytest.importorskip("vllm")
 
 MODEL = str(Path(__file__).resolve().parents[1] / "evals" / "models" / "tiny-llama")
@@ -20,7 +22,7 @@ def _llm(kv_cache_dtype):
                dtype="bfloat16", max_model_len=512, max_num_seqs=8,
                max_num_batched_tokens=64,  # prompts > 64 tokens are prefilled in chunks
                kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv_cache_dtype, seed=0,
-               enable_prefix_caching=True, block_size=16)
+               enable_prefix_caching=True, block_size=CPU_BLOCK_SIZE)
 
 
 def _prompts():

@@ -1,4 +1,5 @@
-"""Plugin registration and backend selection, with the real vLLM 0.26 code (CPU build)."""
+"""Plugin registration and backend selection, with the real vLLM code of the installed line
+(CPU build: 0.26 or 0.32; CI runs both)."""
 import importlib
 import importlib.metadata
 import math
@@ -15,7 +16,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode  # noqa: E402
 
-from vllm_nvfp4kv import plugin  # noqa: E402
+from vllm_nvfp4kv import compat, plugin  # noqa: E402
 from vllm_nvfp4kv.backend import NvFp4AttentionBackend  # noqa: E402
 
 
@@ -60,11 +61,29 @@ def cuda_platform(monkeypatch):
     return cu, with_capability
 
 
+@pytest.mark.parametrize("dtype", list(compat.NVFP4_CACHE_DTYPES))
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 9), (12, 0)])
-def test_auto_selects_custom_for_nvfp4_without_upstream_path(cuda_platform, capability):
+def test_auto_selects_custom_for_nvfp4_without_upstream_path(cuda_platform, capability, dtype):
+    """Ours wherever upstream has no nvfp4 path or only FlashInfer's software one (SM80-SM90
+    from 0.32); SM120 from 0.32 reads FP4 in hardware and stays upstream's."""
     _, with_capability = cuda_platform
+    if dtype not in _cache_dtypes():
+        pytest.skip(f"vLLM {vllm.__version__} has no kv_cache_dtype {dtype}")
     platform = with_capability(*capability)
-    assert platform.get_attn_backend_cls(None, _selector(), 32) == plugin.BACKEND_PATH
+    if compat.upstream_serves_nvfp4(DeviceCapability(*capability)):
+        assert capability == (12, 0) and compat.has_layout_api()
+        assert AttentionBackendEnum.CUSTOM not in \
+            _cuda_platform_module()._get_backend_priorities(False, DeviceCapability(12, 0),
+                                                            32, dtype)
+        return
+    assert platform.get_attn_backend_cls(None, _selector(dtype), 32) == plugin.BACKEND_PATH
+
+
+def _cache_dtypes() -> tuple[str, ...]:
+    import typing
+
+    from vllm.config.cache import CacheDType
+    return typing.get_args(CacheDType)
 
 
 def test_other_dtypes_and_sm100_untouched(cuda_platform):
@@ -129,18 +148,29 @@ def test_cpu_selection_refuses_what_cuda_refuses(cuda_platform, head_size, block
         platforms[1].get_attn_backend_cls(None, cfg, 32)
 
 
+def _nvfp4_spec(block_size, heads, head_size):
+    """vLLM's spec of an nvfp4 layer, as the attention layer builds it (with our packing from
+    0.32 on, where the backend publishes it)."""
+    spec = FullAttentionSpec(block_size, num_kv_heads=heads, head_size=head_size,
+                             dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode("nvfp4"))
+    return NvFp4AttentionBackend.customize_spec(spec) if compat.has_layout_api() else spec
+
+
 @pytest.mark.parametrize("block_size,heads,head_size",
                          [(16, 8, 128), (16, 1, 256), (64, 3, 64), (32, 2, 96)])
 def test_page_size_equals_vllm_spec(block_size, heads, head_size):
-    spec = FullAttentionSpec(block_size, num_kv_heads=heads, head_size=head_size,
-                             dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode("nvfp4"))
+    spec = _nvfp4_spec(block_size, heads, head_size)
     shape = NvFp4AttentionBackend.get_kv_cache_shape(7, block_size, heads, head_size, "nvfp4")
     assert math.prod(shape[1:]) == spec.page_size_bytes
     assert shape[0] == 7
+    if compat.has_layout_api():  # vLLM's own [B, H, N, C] bytes of the page: the same shape
+        from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
+        assert compute_layer_kv_cache_shape_bytes(spec, 7) == shape
     if head_size == 128:
         assert spec.page_size_bytes // (block_size * heads) == 144  # bytes per token per head
 
 
+@pytest.mark.skipif(compat.has_layout_api(), reason="vLLM 0.26's stride-order interface")
 def test_cross_layer_layout_keeps_each_layers_pages_whole():
     """KV offloading allocates all layers in one buffer ordered by
     get_kv_cache_stride_order(include_num_layers_dimension=True) and gives each layer the
@@ -159,3 +189,37 @@ def test_cross_layer_layout_keeps_each_layers_pages_whole():
         assert view.shape == shape[1:] and view.stride(0) == layers * page
         assert all(view[b].is_contiguous() for b in range(nb))
         assert int(view[4, 0, 0, 0]) == (4 * layers + layer) * page
+
+
+@pytest.mark.skipif(not compat.has_layout_api(), reason="the KVCacheLayout interface (>= 0.32)")
+def test_every_declared_layout_keeps_each_layers_pages_whole():
+    """From 0.32 vLLM resolves one layout for the model from the backends' declarations and
+    views one flat buffer per layer through it (create_kv_cache_views). For each layout we
+    declare, and for the layouts we leave out, whether a layer's page is one contiguous run of
+    bytes at the block stride the kernels take (view.stride(0))."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layers, nb, n, h, d = 3, 5, 16, 2, 64
+    spec = _nvfp4_spec(n, h, d)
+    page = spec.page_size_bytes
+    declared = NvFp4AttentionBackend.supported_kv_cache_layouts()
+    assert declared[0] == KVCacheLayout.LBHNC
+    for layout in KVCacheLayout:
+        layer_major = layout.is_layer_compact
+        tensor = KVCacheTensor(size=layers * nb * page, layers=[f"l{i}" for i in range(layers)],
+                               layer_stride=nb * page if layer_major else page,
+                               block_stride=page if layer_major else layers * page)
+        raw = torch.zeros(layers * nb * page, dtype=torch.int8)
+        try:
+            views = create_kv_cache_views(raw, spec, nb, layout, tensor)
+        except (AssertionError, RuntimeError, ValueError):
+            assert layout not in declared
+            continue
+        whole = all(v[b].is_contiguous() and v.stride(0) == tensor.block_stride
+                    for v in views for b in range(nb))
+        assert whole == (layout in declared), layout
+        if whole:  # block 4 of layer i where the tensor says it is
+            for i, v in enumerate(views):
+                assert v[4].data_ptr() - raw.data_ptr() == \
+                    i * tensor.layer_stride + 4 * tensor.block_stride

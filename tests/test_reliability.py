@@ -40,7 +40,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
-from helpers import _gen, garbage  # noqa: E402
+from helpers import _gen, garbage, nvfp4_spec, vllm_cache_view  # noqa: E402
 
 
 def slots_of(table_row: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
@@ -462,9 +462,9 @@ def test_bad_numbers_do_not_leak(device):
 
 # ================================================================ 2. layout safety
 def test_exact_byte_offsets_through_vllm_reshape(device):
-    """vLLM allocates each layer's KV cache as raw bytes and views it with the backend's
-    shape and stride order (vllm.v1.worker.gpu.attn_utils._reshape_attention_kv_cache, run
-    here on a raw buffer). One K element and one V element are written; the five nonzero
+    """vLLM allocates each layer's KV cache as raw bytes and views it as the backend says
+    (0.26: its shape and stride order; from 0.32: the spec it customizes, in the layout it
+    declares; helpers.vllm_cache_view runs vLLM's own code on a raw buffer). One K element and one V element are written; the five nonzero
     bytes must sit at the offsets format.py defines, computed here by hand for H=3 KV heads,
     block_size 16, D=64 (page = [K data 1536 | K scales 192 | V data 1536 | V scales 192]):
       slot 37 = block 2, token 5;  page 2 starts at 2 * 3456 = 6912
@@ -484,13 +484,8 @@ def test_exact_byte_offsets_through_vllm_reshape(device):
     element) and zeros elsewhere; Triton decode over the 38 tokens gives 12/38 at element 37
     for the q heads of KV head 1 only."""
     pytest.importorskip("vllm")
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
-    from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
-    from vllm_nvfp4kv.backend import NvFp4AttentionBackend as B
-
     nb, n, h, d = 4, 16, 3, 64
-    spec = FullAttentionSpec(n, num_kv_heads=h, head_size=d, dtype=torch.uint8,
-                             kv_quant_mode=get_kv_quant_mode("nvfp4"))
+    spec = nvfp4_spec(n, h, d)
     assert spec.page_size_bytes == 3456
     expect = {6912 + 1188: 0x80, 6912 + 1189: 0x70, 6912 + 1684: 0x38,
               6912 + 2544: 0x07, 6912 + 3369: 0x38}
@@ -501,8 +496,7 @@ def test_exact_byte_offsets_through_vllm_reshape(device):
     slot = torch.tensor([37])
     for writer in ("triton", "reference"):
         raw = torch.zeros(nb * spec.page_size_bytes, dtype=torch.int8, device=device)
-        cache = _reshape_attention_kv_cache(raw, spec, B.get_kv_cache_shape(nb, n, h, d),
-                                            B.get_kv_cache_stride_order(), nb, None)
+        cache = vllm_cache_view(raw, spec, nb)
         assert cache.data_ptr() == raw.data_ptr() and cache.is_contiguous()
         if writer == "triton":
             K.write_cache(cache, key.to(device), value.to(device), slot.to(device), 0.5, 2.0)
@@ -970,8 +964,10 @@ def _preemption_run(sharp_model, prefill_from_cache: bool):
     per_token = 2 * 2 * 2 * F.row_bytes(64)        # layers x sides x KV heads x row bytes
     with mock.patch.dict("os.environ",  # read when the engine builds its attention
                          {"NVFP4KV_PREFILL_FROM_CACHE": "1" if prefill_from_cache else "0"}):
+        # a request of the longest length must fit the 16 blocks (from vLLM 0.32 one block
+        # less: the null block is counted); every request here is <= 114 tokens
         llm = _tiny_llm(model=sharp_model, load_format="auto", max_num_batched_tokens=128,
-                        max_model_len=256,
+                        max_model_len=224,
                         kv_cache_memory_bytes=PREEMPT_BLOCKS * 16 * per_token)
     assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == PREEMPT_BLOCKS
     g = torch.Generator().manual_seed(1)
@@ -980,9 +976,9 @@ def _preemption_run(sharp_model, prefill_from_cache: bool):
     preempted = []
     orig = Scheduler._preempt_request
 
-    def count(self, request, timestamp):
+    def count(self, request, *args, **kwargs):
         preempted.append(request.request_id)
-        return orig(self, request, timestamp)
+        return orig(self, request, *args, **kwargs)
 
     with mock.patch.object(Scheduler, "_preempt_request", count):
         llm.reset_prefix_cache()
@@ -1022,37 +1018,41 @@ def test_preemption_and_recompute_match_unpreempted_run(sharp_model):
 
 # ================================================================ 3. refusals at startup
 def test_head_size_v_different_from_head_size_is_refused():
-    """vLLM 0.26 sizes a page with head_size_v (FullAttentionSpec); the page format has one
-    head size for K and V. The metadata builder, which vLLM creates from the layer's
-    kv_cache_spec before it allocates the KV cache, refuses such layers with the reason and
-    the way out. (Without that, vLLM's own reshape of the raw buffer fails, with a bare
-    'shape ... is invalid' RuntimeError, checked here too. In vLLM 0.26 the models with
-    head_size_v != head_size, MiMo-V2 and openPangu, pick a *_DIFFKV backend themselves.)"""
+    """The page format has one head size for K and V. vLLM 0.26 sizes a page with head_size_v
+    (FullAttentionSpec) and then creates the metadata builder from the layer's spec before it
+    allocates the KV cache; from 0.32 the backend publishes the page's packing
+    (customize_spec), when the layer builds its spec. Each refuses such layers with the
+    reason and the way out. (Without that, vLLM 0.26's own reshape of the raw buffer fails
+    with a bare 'shape ... is invalid' RuntimeError, checked here too. In vLLM 0.26 the models
+    with head_size_v != head_size, MiMo-V2 and openPangu, pick a *_DIFFKV backend themselves.)"""
     pytest.importorskip("vllm")
     from vllm.config import ModelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
-    from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
+    from vllm_nvfp4kv import compat
     from vllm_nvfp4kv.backend import NvFp4AttentionBackend as B
     from vllm_nvfp4kv.backend import NvFp4MetadataBuilder
     cfg = VllmConfig(model_config=ModelConfig(model=TINY, skip_tokenizer_init=True,
                                               max_model_len=256))
+    refusal = r"head_size {} and head_size_v {}\b.*--kv-cache-dtype fp8 or auto"
     for hs, hsv in ((64, 128), (128, 64), (64, 64)):
         spec = FullAttentionSpec(16, num_kv_heads=2, head_size=hs, head_size_v=hsv,
                                  dtype=torch.uint8, kv_quant_mode=get_kv_quant_mode("nvfp4"))
+        if compat.has_layout_api():
+            if hs != hsv:
+                with pytest.raises(ValueError, match=refusal.format(hs, hsv)):
+                    B.customize_spec(spec)
+                continue
+            spec = B.customize_spec(spec)
         raw = torch.zeros(3 * spec.page_size_bytes, dtype=torch.int8)
-        shape = B.get_kv_cache_shape(3, 16, 2, hs)
         if hs == hsv:
             NvFp4MetadataBuilder(spec, ["l0"], cfg, torch.device("cpu"))
-            _reshape_attention_kv_cache(raw, spec, shape, B.get_kv_cache_stride_order(), 3,
-                                        None)
+            vllm_cache_view(raw, spec, 3)
             continue
-        with pytest.raises(ValueError, match=rf"head_size {hs} and head_size_v {hsv} .*"
-                           r"--kv-cache-dtype fp8 or auto"):
+        with pytest.raises(ValueError, match=refusal.format(hs, hsv)):
             NvFp4MetadataBuilder(spec, ["model.layers.0.self_attn.attn"], cfg,
                                  torch.device("cpu"))
         with pytest.raises(RuntimeError, match="invalid"):
-            _reshape_attention_kv_cache(raw, spec, shape, B.get_kv_cache_stride_order(), 3,
-                                        None)
+            vllm_cache_view(raw, spec, 3)
 
 
 def test_decode_variant_sets_the_split_rule():
@@ -1083,13 +1083,13 @@ def test_engine_refuses_bad_head_size_and_block_size(sharp_model):
     selection alone: head sizes 16, 528, block size 24, ...).
     block_size 256 is not refused: the backend's kernel block sizes are 16-128 and vLLM
     accepts any block size they divide, cutting each 256-token block into 128-token kernel
-    blocks (the cache shape the backend is asked for, checked); the greedy tokens then equal
+    blocks (the cache the backend is handed, checked); the greedy tokens then equal
     the block_size 16 run's (the sharp model, where a misread cache shows)."""
     pytest.importorskip("vllm")
     import json
     import tempfile
     from vllm import SamplingParams
-    from vllm_nvfp4kv.backend import NvFp4AttentionBackend as B
+    from vllm_nvfp4kv.backend import NvFp4AttentionImpl
     with tempfile.TemporaryDirectory() as tmp:
         cfg = json.loads((Path(TINY) / "config.json").read_text())
         cfg["head_dim"] = 72
@@ -1104,16 +1104,27 @@ def test_engine_refuses_bad_head_size_and_block_size(sharp_model):
                for m in (300, 20)]
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, detokenize=False)
     toks, shapes = {}, {}
+    update = NvFp4AttentionImpl.do_kv_cache_update
     for bs in (256, 16):
-        with mock.patch.object(B, "get_kv_cache_shape", side_effect=B.get_kv_cache_shape) as m:
+        with mock.patch.object(NvFp4AttentionImpl, "do_kv_cache_update", autospec=True,
+                               side_effect=update) as m:
             llm = _tiny_llm(model=sharp_model, load_format="auto", block_size=bs,
                             kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=512,
                             enable_prefix_caching=False)
-        shapes[bs] = {c.args[1] for c in m.call_args_list}
-        toks[bs] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+            toks[bs] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        # the kernel block size: tokens per page of the cache the backend is handed
+        shapes[bs] = {c.args[4].shape[2] for c in m.call_args_list}
         del llm
     assert shapes == {256: {128}, 16: {16}}
     assert toks[256] == toks[16]
+
+
+def _vllm_0_26() -> bool:
+    try:
+        from vllm_nvfp4kv import compat
+        return not compat.has_layout_api()
+    except ImportError:
+        return False
 
 
 def _cuda_platform_module():
@@ -1202,6 +1213,8 @@ def test_checkpoint_scales(k, v, outcome):
     assert torch.isfinite(rk).all() and torch.isfinite(rv).all() and rv.abs().sum() > 0
 
 
+@pytest.mark.skipif(not _vllm_0_26(), reason="from vLLM 0.32 the CPU engine serves any "
+                    "quantized cache dtype with CPU_ATTN's FP8 path, nvfp4 included")
 def test_nvfp4_without_the_plugin_fails_loudly(monkeypatch):
     """kv_cache_dtype nvfp4 with VLLM_PLUGINS naming only another plugin (ours not loaded) on
     vLLM's CPU platform must fail, not serve with another dtype. The steps vLLM takes, each

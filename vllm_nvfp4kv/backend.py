@@ -9,7 +9,7 @@ head-major, linear scales): see ``kernels/format.py``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -21,6 +21,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        AttentionType, CommonAttentionMetadata)
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+from vllm_nvfp4kv import compat
 from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, write_cache
 from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, DEFAULT_SPLIT_RULE, choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
@@ -104,14 +105,14 @@ class NvFp4AttentionBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["nvfp4"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(compat.NVFP4_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
         return "CUSTOM"
 
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int]:
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
         return list(fmt.SUPPORTED_BLOCK_SIZES)
 
     @staticmethod
@@ -122,10 +123,11 @@ class NvFp4AttentionBackend(AttentionBackend):
     def get_builder_cls() -> type["NvFp4MetadataBuilder"]:
         return NvFp4MetadataBuilder
 
+    # --- the page's shape: vLLM 0.26 asks for it (get_kv_cache_shape / stride order) ---
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int, cache_dtype_str: str = "nvfp4") -> tuple[int, ...]:
-        if cache_dtype_str != "nvfp4":
+        if cache_dtype_str not in compat.NVFP4_CACHE_DTYPES:
             raise ValueError(f"the NVFP4 backend serves kv_cache_dtype 'nvfp4' only, got "
                              f"{cache_dtype_str!r}; layers skipped from NVFP4 need another "
                              "backend (leave --attention-backend unset)")
@@ -140,6 +142,20 @@ class NvFp4AttentionBackend(AttentionBackend):
     @classmethod
     def get_required_kv_cache_layout(cls):
         return None
+
+    # --- ... and vLLM >= 0.32 has the backend publish it (compat: the layout refactor) ---
+    @classmethod
+    def customize_spec(cls, spec):
+        """[B, 2 * num_kv_heads, N, D/2 + D/16] bytes, as ``kv_cache_shape``."""
+        if spec.state_content_bytes is not None or not spec.kv_quant_mode.is_nvfp4:
+            return spec
+        _check_one_head_size(spec)
+        return replace(spec, num_head_slots=2 * spec.num_kv_heads,
+                       state_content_bytes=fmt.row_bytes(spec.head_size))
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return compat.block_contiguous_layouts()
 
     @classmethod
     def supports_head_size(cls, head_size: int) -> bool:
@@ -189,6 +205,17 @@ class NvFp4AttentionBackend(AttentionBackend):
         return [explain.get(r, "NVFP4 KV: " + r) + way_out for r in reasons]
 
 
+def _check_one_head_size(spec, layer_names=()) -> None:
+    """The page format has one head size for K and V."""
+    head_size_v = getattr(spec, "head_size_v", None) or spec.head_size
+    if head_size_v != spec.head_size:
+        where = f" (layers {', '.join(layer_names[:3])})" if layer_names else ""
+        raise ValueError(
+            f"NVFP4 KV cache (vllm-nvfp4kv) needs equal K and V head sizes, got head_size "
+            f"{spec.head_size} and head_size_v {head_size_v}{where}; use --kv-cache-dtype "
+            "fp8 or auto for this model")
+
+
 @dataclass
 class NvFp4Metadata(AttentionMetadata):
     num_actual_tokens: int
@@ -210,12 +237,7 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config: VllmConfig, device):
-        head_size_v = getattr(kv_cache_spec, "head_size_v", kv_cache_spec.head_size)
-        if head_size_v != kv_cache_spec.head_size:  # the page format has one D for K and V
-            raise ValueError(
-                f"NVFP4 KV cache (vllm-nvfp4kv) needs equal K and V head sizes, got head_size "
-                f"{kv_cache_spec.head_size} and head_size_v {head_size_v} (layers "
-                f"{', '.join(layer_names[:3])}); use --kv-cache-dtype fp8 or auto for this model")
+        _check_one_head_size(kv_cache_spec, layer_names)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
         self.num_kv_heads = kv_cache_spec.num_kv_heads
@@ -304,7 +326,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             refuse.append(f"attention type {attn_type} (encoder/cross attention)")
         if kv_sharing_target_layer_name is not None:
             refuse.append("cross-layer KV sharing")
-        if kv_cache_dtype != "nvfp4":
+        if kv_cache_dtype not in compat.NVFP4_CACHE_DTYPES:
             refuse.append(f"kv_cache_dtype {kv_cache_dtype!r} on a layer routed to this backend")
         if refuse:
             raise NotImplementedError(
@@ -316,7 +338,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if (opts["rotate_k"] == "1" or opts["rotate_v"]) and not pow2:
             raise ValueError(f"NVFP4KV_ROTATE_K/V=1 need a power-of-two head_size, got "
                              f"{head_size}; unset them for this model")
-        self.block_scales = opts["block_scales"]
+        # nvfp4_4over6 (vLLM >= 0.32) names the writer's rule; the page format is the same
+        self.block_scales = compat.NVFP4_CACHE_DTYPES[kv_cache_dtype] or opts["block_scales"]
         self.rotate_k_option = opts["rotate_k"]
         self.center_k_option = opts["center_k"]
         self._online_center = False  # k_sub reserved (zeros), set at the first real batch

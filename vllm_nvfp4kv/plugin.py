@@ -1,14 +1,17 @@
-"""``vllm.general_plugins`` entry point: makes ``--kv-cache-dtype nvfp4`` work where vLLM 0.26
-has no NVFP4 attention path.
+"""``vllm.general_plugins`` entry point: makes ``--kv-cache-dtype nvfp4`` work where vLLM has
+no NVFP4 attention path of its own (or a slower one).
 
 ``register()`` runs in every vLLM process (API server, engine core, workers). It is
-idempotent, cheap, and initialises no CUDA. It registers the backend as
-``AttentionBackendEnum.CUSTOM`` and patches one function per platform so that automatic
-selection picks it for nvfp4 layers:
+idempotent, cheap, and initialises no CUDA. On a vLLM line it does not support
+(``compat.SUPPORTED_LINES``) it logs one line and changes nothing. Otherwise it registers
+the backend as ``AttentionBackendEnum.CUSTOM`` and wraps one function per platform so that
+automatic selection picks it for nvfp4 layers. Each wrapper passes every argument through
+and changes only the nvfp4 decision:
 
-* CUDA: ``vllm.platforms.cuda._get_backend_priorities`` puts CUSTOM first for nvfp4 on every
-  GPU except the SM100 family, where upstream's FlashInfer path stays in charge (ask for ours
-  there with ``--attention-backend CUSTOM``). Other dtypes: untouched.
+* CUDA: ``vllm.platforms.cuda._get_backend_priorities`` puts CUSTOM first for non-MLA nvfp4
+  layers on GPUs where upstream has no path of its own or only FlashInfer's software one
+  (``compat.upstream_serves_nvfp4``). Elsewhere upstream stays in charge; ask for ours with
+  ``--attention-backend CUSTOM`` (or for upstream's with ``--attention-backend FLASHINFER``).
 * CPU: ``CpuPlatform.get_attn_backend_cls`` returns CUSTOM for nvfp4 layers (the backend then
   runs the torch references), so vLLM's CPU engine can serve and test the format. It refuses
   what the backend's ``validate_configuration`` refuses on CUDA (vLLM's CPU selection does not
@@ -17,14 +20,26 @@ selection picks it for nvfp4 layers:
 from __future__ import annotations
 
 import functools
+import logging
+
+from vllm_nvfp4kv import __version__, compat
 
 BACKEND_PATH = "vllm_nvfp4kv.backend.NvFp4AttentionBackend"
 _registered = False
+_refused = False
 
 
 def register() -> None:
-    global _registered
-    if _registered:
+    global _registered, _refused
+    if _registered or _refused:
+        return
+    if not compat.supported():
+        _refused = True
+        version = ".".join(map(str, compat.vllm_version() or ())) or "of unknown version"
+        logging.getLogger("vllm.nvfp4kv").warning(
+            "vllm-nvfp4kv %s supports vLLM %s; this vLLM is %s, so the plugin stays inactive "
+            "(--kv-cache-dtype nvfp4 is left to vLLM itself)", __version__,
+            compat.supported_text(), version)
         return
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -37,9 +52,8 @@ def register() -> None:
     _registered = True
 
 
-def upstream_serves_nvfp4(device_capability) -> bool:
-    """vLLM 0.26 serves nvfp4 KV only on the SM100 family (FlashInfer trtllm-gen)."""
-    return device_capability is not None and device_capability.major == 10
+def _is_ours(kv_cache_dtype, use_mla) -> bool:
+    return kv_cache_dtype in compat.NVFP4_CACHE_DTYPES and not use_mla
 
 
 def _patch_cuda_priorities() -> None:
@@ -50,13 +64,12 @@ def _patch_cuda_priorities() -> None:
     if getattr(original, "_nvfp4kv", False):
         return
 
-    @functools.cache
-    def priorities(use_mla, device_capability, num_heads=None, kv_cache_dtype=None,
-                   use_non_causal=False):
-        backends = original(use_mla, device_capability, num_heads, kv_cache_dtype,
-                            use_non_causal)
-        if (kv_cache_dtype == "nvfp4" and not use_mla
-                and not upstream_serves_nvfp4(device_capability)
+    @functools.wraps(original)
+    def priorities(*args, **kwargs):
+        backends = original(*args, **kwargs)
+        a = compat.bind_arguments(original, args, kwargs)
+        if (_is_ours(a.get("kv_cache_dtype"), a.get("use_mla"))
+                and not compat.upstream_serves_nvfp4(a.get("device_capability"))
                 and AttentionBackendEnum.CUSTOM.is_overridden()):
             return [AttentionBackendEnum.CUSTOM, *backends]
         return backends
@@ -73,14 +86,16 @@ def _patch_cpu_selection() -> None:
     if getattr(original, "_nvfp4kv", False):
         return
 
-    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
-        if attn_selector_config.kv_cache_dtype == "nvfp4" and not attn_selector_config.use_mla:
-            reasons = cpu_refusals(attn_selector_config)
+    @functools.wraps(original)
+    def get_attn_backend_cls(cls, *args, **kwargs):
+        config = compat.bind_arguments(original, (cls, *args), kwargs)["attn_selector_config"]
+        if _is_ours(config.kv_cache_dtype, config.use_mla):
+            reasons = cpu_refusals(config)
             if reasons:  # CPU_ATTN cannot read nvfp4 pages: no fallback, refuse
                 raise ValueError("NVFP4 KV cache (vllm-nvfp4kv) cannot serve this layer on "
                                  "the CPU: " + "; ".join(reasons))
             return AttentionBackendEnum.CUSTOM.get_path()
-        return original(cls, selected_backend, attn_selector_config, num_heads)
+        return original(cls, *args, **kwargs)
 
     get_attn_backend_cls._nvfp4kv = True
     get_attn_backend_cls._original = original  # vLLM's own CPU selection (tests)
@@ -97,4 +112,3 @@ def cpu_refusals(attn_selector_config) -> list[str]:
 
     return NvFp4AttentionBackend.validate_configuration(
         device_capability=DeviceCapability(8, 0), **attn_selector_config._asdict())
-
