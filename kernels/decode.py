@@ -231,11 +231,14 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
 class HopperLaunch:
     """The Hopper launch at one head size: tokens per tile, the programs of its sm_90 build
     (4 warps, 4 load stages, K and V^T decoded into the wgmma operands) that fit one SM
-    (tests/test_compile.py checks them against the compiler), and the register cap that makes
-    them fit (ptxas's maxnreg; None: none, the build needs no spill either way)."""
+    (tests/test_compile.py checks them against the compiler), the register cap that makes
+    them fit (ptxas's maxnreg; None: none, the build needs no spill either way), and the most
+    splits per sequence and KV head (clamp_splits; the reduction holds them all in registers:
+    64 at D = 256 without a spill, 128 spill there)."""
     block_n: int
     programs_per_sm: int
     maxnreg: int | None = None
+    max_splits: int = 64
 
 
 # Launch variants, A/B'd by evals/bench_decode.py --ab and chosen in the backend by
@@ -261,11 +264,14 @@ DECODE_VARIANTS = {
     # backend's metadata builder keeps the default's): D = 64 capped at 96 registers (5
     # programs per SM, 0.31 warp-instructions per KV byte against 0.30), in 64-token tiles
     # (6 per SM, 0.38) or 256 (2 per SM, 0.26); D = 256 without the register cap (179
-    # registers, 2 per SM)
+    # registers, 2 per SM); up to 128 splits where one wave wants more than 64 (batch x KV
+    # heads < 6 at D = 256, < 9 at D = 64: the default leaves SMs idle there)
     "d64_r96": dict(launches={64: HopperLaunch(128, 5, 96)}),
     "d64_bn64": dict(launches={64: HopperLaunch(64, 6)}),
     "d64_bn256": dict(launches={64: HopperLaunch(256, 2)}),
     "d256_uncapped": dict(launches={256: HopperLaunch(64, 2)}),
+    "s128": dict(launches={64: HopperLaunch(128, 4, max_splits=128),
+                           256: HopperLaunch(64, 3, 168, max_splits=128)}),
 }
 
 
@@ -326,31 +332,32 @@ def _wave_launch(device: torch.device, head_dim: int, rule: str,
     return None
 
 
-def clamp_splits(want: int, max_seq_len: int) -> int:
-    """A split count kept in [1, 64] and to at least 256 tokens per split."""
-    return max(1, min(64, want, math.ceil(max_seq_len / 256)))
+def clamp_splits(want: int, max_seq_len: int, cap: int = 64) -> int:
+    """A split count kept in [1, cap] and to at least 256 tokens per split."""
+    return max(1, min(cap, want, math.ceil(max_seq_len / 256)))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                       head_dim: int = 128, rule: str = DEFAULT_SPLIT_RULE,
                       launches: dict | None = None) -> int:
     """Split-KV count from the batch shape only (so a CUDA graph captured for a batch size
-    stays valid for any sequence length), at least 256 tokens per split, at most 64.
-    On Hopper at D = 64, 128, 256, where one wave of resident programs (HOPPER_LAUNCHES: 3 or
+    stays valid for any sequence length), at least 256 tokens per split, at most 64 (a
+    launch's max_splits). On Hopper at D = 64, 128, 256, where one wave of resident programs (HOPPER_LAUNCHES: 3 or
     4 per SM) gives each KV head of the batch 4 or more splits (batch x KV heads <= 99 on 132
     SMs at 3): as many as fill that one wave. A grid of 1.05-1.5 waves ran up to 1.3x slower
     than one whole wave, and the rule below gave 1.3-2.7 waves at batch 1-8 (H100 split
     sweeps at D = 128, 2026-12-06, evals/RESULTS.md). Larger batches, where one wave would
-    leave each head 1-3 long splits (1-8% slower than more waves), other head sizes and other
-    GPUs (untimed), and rule "per_sm8" (the rule everywhere before 2026-12-06;
-    DECODE_VARIANTS): about 8 programs per SM (the H200 sweep of an older kernel, 2026-12-04).
-    launches: replacements of HOPPER_LAUNCHES (hopper_launch)."""
+    leave each head 1-3 long splits (1-8% slower than more waves), head sizes without a wgmma
+    decoder (80, 96) and other GPUs (untimed), and rule "per_sm8" (the rule everywhere before
+    2026-12-06; DECODE_VARIANTS): about 8 programs per SM (the H200 sweep of an older kernel,
+    2026-12-04).
+    launches: replacements of HOPPER_LAUNCHES (hopper_launch; also their split cap)."""
     programs = max(1, batch * num_kv_heads)
     sms = _num_sms(device)
     launch = _wave_launch(device, head_dim, rule, launches)
     one_wave = launch.programs_per_sm * sms // programs if launch else 0
     want = one_wave if one_wave >= 4 else math.ceil(8 * sms / programs)
-    return clamp_splits(want, max_seq_len)
+    return clamp_splits(want, max_seq_len, launch.max_splits if launch else 64)
 
 
 def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,

@@ -846,18 +846,29 @@ def test_decode_mma_head_dims(device, monkeypatch, d, qpk, hkv, n, seq_lens, spl
     assert seen == [(True, True, bn, cap)]
 
 
-@pytest.mark.parametrize("variant", ["d64_r96", "d64_bn64", "d64_bn256", "d256_uncapped"])
-def test_decode_head_dim_variants(device, variant):
+@pytest.mark.parametrize("variant", ["d64_r96", "d64_bn64", "d64_bn256", "d256_uncapped",
+                                     "s128"])
+def test_decode_head_dim_variants(device, monkeypatch, variant):
     """The DECODE_VARIANTS launches at D = 64 and 256 (tile, register cap, split count from
-    their programs per SM) against the reference."""
-    from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS
+    their programs per SM) against the reference; s128: more than 64 splits where one wave of
+    132 SMs wants them (the reduction over 128), its clamp at 128."""
+    from vllm_nvfp4kv.kernels import decode as dec
+    kw = dec.DECODE_VARIANTS[variant]
     d = 64 if variant.startswith("d64") else 256
     seq_lens = [260, 9]
     cache, table, q, sl = _decode_case(device, d, 16, 1, 4, seq_lens, seed=5)
     ref = _ref_decode(q, cache, table, sl, 0.1, 1.0, 1.0)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    splits = {}
+    if variant == "s128":
+        monkeypatch.setattr(dec, "_num_sms", lambda _dev: 132)
+        for dd in (64, 256):
+            dev = torch.device(device)
+            assert dec.choose_num_splits(1, 1, 1 << 20, dev, dd, launches=kw["launches"]) == 128
+            assert dec.choose_num_splits(1, 1, 1 << 20, dev, dd) == 64
+        splits = dict(num_splits=100)  # the reduction over 128 (most of them empty here)
     K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, max_seq_len=max(seq_lens),
-                       **DECODE_VARIANTS[variant])
+                       **splits, **kw)
     _check_decode(out, ref, seq_lens)
 
 
