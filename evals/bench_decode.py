@@ -3,14 +3,17 @@ FlashAttention-3; FlashInfer if FA3 is missing) and vLLM's own 4-bit KV caches
 (kv_cache_dtype int4_per_token_head, TRITON_ATTN backend; turboquant_4bit_nc, TURBOQUANT
 backend's Triton decode), measured in one run on one GPU.
 
-Llama-3-8B-like heads by default (32 q / 8 kv, D=128), page size 16, random page order, one
-layer. Each timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph).
+Llama-3-8B-like heads by default (32 q / 8 kv, D=128), or several head configurations in one
+process (--heads: head sizes 64/128/256, sinks, sliding windows; a PNG panel each), page size
+16, random page order, one layer. Each timing is the median of CUDA-graph replays (triton.testing.do_bench_cudagraph).
 Effective bandwidth = KV bytes read (+ q, out) / time, compared with the device copy bandwidth
 (read + write of a 4 GiB clone) measured in the same run. Writes JSON and a PNG plot.
 
     python -P -m evals.bench_decode --out evals/results/decode_h200.json
     python -P -m evals.bench_decode --tune         # block/warps/stages sweep on a few shapes
     python -P -m evals.bench_decode --toy          # CPU, Triton interpreter, tiny sizes
+    python -P -m evals.bench_decode --heads issue35 --baselines fa3 --batch 1 4 16 64 \
+        --ctx 8192 32768 131072 262144 --rep-ms 25    # head sizes 64/128/256, FA3 only
 """
 from __future__ import annotations
 
@@ -30,12 +33,20 @@ import triton  # noqa: E402
 
 from evals import common  # noqa: E402
 from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
-from vllm_nvfp4kv.kernels.decode import (DECODE_VARIANTS, HOPPER_PROGRAMS_PER_SM,  # noqa: E402
-                                         choose_block_n, choose_num_splits, clamp_splits)
+from vllm_nvfp4kv.kernels.decode import (DECODE_VARIANTS, DEFAULT_SPLIT_RULE,  # noqa: E402
+                                         HOPPER_PROGRAMS_PER_SM, choose_block_n,
+                                         choose_num_splits, clamp_splits)
 
 # K+V, D=128; int4: [K(64) | K scale+zero-point(4) | V(64) | V scale+zero-point(4)];
 # tq4 (turboquant_4bit_nc): [K codebook indices(64) + norm(2) | V(64) + scale+zero(4)]
 BYTES_PER_TOKEN_HEAD = {"bf16": 512, "fp8": 256, "nvfp4": 144, "int4": 136, "tq4": 134}
+# --heads: q heads / KV heads / head dim, "+sinks" (per-head sink logits), "+wN" (an N-token
+# sliding window); a set name stands for its list. issue35: Llama-3-8B (32/8 at 128),
+# Gemma-3 1B (4/1 at 256), Qwen3.5 / Qwen3-Next gated attention (8/2 and 16/2 at 256),
+# SmolLM2-135M (9/3 at 64), gpt-oss (64/8 at 64 with sinks; every other layer has a 128-token
+# window)
+HEAD_SETS = {"issue35": ["32/8/128", "4/1/256", "8/2/256", "16/2/256", "9/3/64",
+                         "64/8/64+sinks", "64/8/64+sinks+w128"]}
 
 
 def copy_bandwidth(device) -> float:
@@ -47,6 +58,7 @@ def copy_bandwidth(device) -> float:
 
 
 ONCE = False  # --once: every timed function runs once, no timing (compute-sanitizer runs)
+REP_MS = 100  # --rep-ms: CUDA-graph replay time per measurement
 
 
 def time_fn(fn, device) -> float:
@@ -60,15 +72,16 @@ def time_fn(fn, device) -> float:
     # graph, made a later FA3 graph fault with an illegal address on the H200 (2026-12-04)
     fn()
     torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
 
 
 class Problem:
-    """Random decode problem: batch sequences of ctx tokens, pages in random order."""
+    """Random decode problem: batch sequences of ctx tokens, pages in random order; sinks:
+    random per-head sink logits [hq] fp32; window: a sliding window of that many tokens."""
 
-    def __init__(self, batch, ctx, hq, hkv, d, page, device):
+    def __init__(self, batch, ctx, hq, hkv, d, page, device, sinks=False, window=None):
         self.batch, self.ctx, self.hq, self.hkv, self.d, self.page = batch, ctx, hq, hkv, d, page
-        self.device = device
+        self.device, self.window = device, window
         self.blocks_per_seq = math.ceil(ctx / page)
         self.num_blocks = batch * self.blocks_per_seq
         g = torch.Generator(device="cpu").manual_seed(batch * 7919 + ctx)
@@ -78,6 +91,13 @@ class Problem:
         self.q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=device)
         self.scale = d ** -0.5
         self.one = torch.ones(1, dtype=torch.float32, device=device)  # k/v global scales
+        self.sinks = (torch.randn(hq, generator=g) * 2).to(device) if sinks else None
+
+    @classmethod
+    def of(cls, args, batch, ctx, device):
+        """The problem of a head configuration (args: hq, hkv, d, page, sinks, window)."""
+        return cls(batch, ctx, args.hq, args.hkv, args.d, args.page, device, args.sinks,
+                   args.window)
 
     def nvfp4_cache(self):
         cache = torch.empty(kv_cache_shape(self.num_blocks, self.page, self.hkv, self.d),
@@ -99,7 +119,8 @@ class Problem:
 
 def run_nvfp4(p: Problem, cache, out, **kw):
     return lambda: decode_attention(p.q, cache, p.block_table, p.seq_lens, out, p.scale,
-                                    p.one, p.one, max_seq_len=p.ctx, **kw)
+                                    p.one, p.one, max_seq_len=p.ctx, sliding_window=p.window,
+                                    sinks=p.sinks, **kw)
 
 
 def fa3_fn(p: Problem, k, v, fp8: bool):
@@ -115,7 +136,7 @@ def fa3_fn(p: Problem, k, v, fp8: bool):
     return lambda: flash_attn_varlen_func(
         q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=p.ctx, seqused_k=p.seq_lens,
         softmax_scale=p.scale, causal=True, block_table=p.block_table, out=out, fa_version=3,
-        **desc)
+        window_size=[p.window - 1, 0] if p.window else None, s_aux=p.sinks, **desc)
 
 
 def int4_fn(p: Problem):
@@ -158,17 +179,16 @@ def int4_fn(p: Problem):
 def check(args, device, **kw) -> dict[int, float]:
     """Ours (launch options kw) vs the torch reference on a small problem before any timing:
     the max abs error for one and for four splits (asserted small)."""
-    p = Problem(3, 1000 if device.type == "cuda" else 40, args.hq, args.hkv, args.d, args.page,
-                device)
+    p = Problem.of(args, 3, 1000 if device.type == "cuda" else 40, device)
     cache = p.nvfp4_cache()
     out = torch.empty_like(p.q)
     ref = reference.paged_attention(p.q, cache, p.block_table,
                                     torch.arange(p.batch + 1, device=device), p.seq_lens,
-                                    p.scale, 1.0, 1.0)
+                                    p.scale, 1.0, 1.0, sliding_window=p.window, sinks=p.sinks)
     errs = {}
     for ns in (1, 4):
         decode_attention(p.q, cache, p.block_table, p.seq_lens, out, p.scale, 1.0, 1.0,
-                         num_splits=ns, **kw)
+                         num_splits=ns, sliding_window=p.window, sinks=p.sinks, **kw)
         errs[ns] = (out.float() - ref).abs().max().item()
         assert errs[ns] < 2e-2 * max(1.0, ref.abs().max().item()), f"mismatch {errs[ns]}"
     return errs
@@ -176,8 +196,28 @@ def check(args, device, **kw) -> dict[int, float]:
 
 def header(args, device) -> dict:
     """What every results file starts with: date, device, versions, shape."""
+    heads = [c.label for c in head_configs(args)] if args.heads else [args.hq, args.hkv, args.d]
     return common.results_header(device.type == "cuda", triton=triton.__version__,
-                                 heads=[args.hq, args.hkv, args.d], page=args.page)
+                                 heads=heads, page=args.page)
+
+
+def parse_heads(spec: str) -> dict:
+    """'HQ/HKV/D[+sinks][+wN]' -> dict(hq, hkv, d, sinks, window) (--heads)."""
+    base, *opts = spec.split("+")
+    hq, hkv, d = map(int, base.split("/"))
+    if any(o != "sinks" and not (o[:1] == "w" and o[1:].isdigit()) for o in opts):
+        raise ValueError(f"head configuration {spec!r}: expected HQ/HKV/D[+sinks][+wN]")
+    window = next((int(o[1:]) for o in opts if o != "sinks"), None)
+    return dict(hq=hq, hkv=hkv, d=d, sinks="sinks" in opts, window=window)
+
+
+def head_configs(args) -> list[argparse.Namespace]:
+    """args once per --heads configuration (hq, hkv, d, sinks, window and its label set), or
+    args with --hq/--hkv/--d alone."""
+    specs = [x for h in args.heads for x in HEAD_SETS.get(h, [h])]
+    if not specs:
+        return [argparse.Namespace(**{**vars(args), "label": f"{args.hq}/{args.hkv}/{args.d}"})]
+    return [argparse.Namespace(**{**vars(args), **parse_heads(x), "label": x}) for x in specs]
 
 
 def tq4_fn(p: Problem, kv: torch.Tensor | None = None):
@@ -224,8 +264,10 @@ def tq4_fn(p: Problem, kv: torch.Tensor | None = None):
 
 
 def kv_gbps(name: str, batch: int, ctx: int, args, ms: float) -> float:
-    """KV bytes the decode of batch x ctx tokens reads with cache dtype `name`, per second."""
-    byts = batch * ctx * args.hkv * BYTES_PER_TOKEN_HEAD[name] * args.d / 128
+    """KV bytes the decode of batch x ctx tokens reads with cache dtype `name`, per second
+    (within the sliding window where args has one)."""
+    tokens = min(ctx, args.window) if getattr(args, "window", None) else ctx
+    byts = batch * tokens * args.hkv * BYTES_PER_TOKEN_HEAD[name] * args.d / 128
     return byts / (ms * 1e-3) / 1e9
 
 
@@ -234,11 +276,15 @@ def bench(args):
     res = header(args, device)
     variant = DECODE_VARIANTS[args.variant]
     res["variant"] = args.variant
-    res["check_max_err"] = max(check(args, device, **variant).values())
+    configs = head_configs(args)
+    errs = {c.label: max(check(c, device, **variant).values()) for c in configs}
+    res["check_max_err"] = max(errs.values())
+    if args.heads:
+        res["check_max_err_by_heads"] = errs
     copy_bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     res["copy_bandwidth_GBps"] = copy_bw / 1e9
     print(f"# {res['gpu']}  copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-    have_fa3 = not args.toy
+    have_fa3 = not args.toy and "fa3" in args.baselines
     if have_fa3:
         try:
             from vllm.vllm_flash_attn import flash_attn_varlen_func  # noqa: F401
@@ -246,50 +292,64 @@ def bench(args):
             print("no FA3:", e)
             have_fa3 = False
     t_end = time.time() + args.budget_s
+    # contexts outermost: a budget cut drops the longest contexts of every head configuration
     for ctx in args.ctx:
-        for batch in args.batch:
-            if batch * ctx > args.max_tokens or time.time() > t_end:
-                continue
-            p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
-            row = {"ctx": ctx, "batch": batch,
-                   "splits": choose_num_splits(batch, args.hkv, ctx, device, args.d)}
-            cache = p.nvfp4_cache()
-            out = torch.empty_like(p.q)
-            row["nvfp4_ms"] = time_fn(run_nvfp4(p, cache, out, **variant), device)
-            del cache
-            try:  # vLLM's int4 decode hit an illegal address at 16 x 16K tokens on an H200
-                if batch * ctx > args.int4_max_tokens:
-                    raise RuntimeError("skipped (--int4-max-tokens)")
-                row["int4_ms"] = time_fn(int4_fn(p), device)
-            except Exception as e:  # noqa: BLE001 (the baseline must never stop the sweep)
-                print(f"int4 failed at b{batch} ctx {ctx}: {type(e).__name__}: {e}", flush=True)
-            try:
-                row["tq4_ms"] = time_fn(tq4_fn(p), device)
-            except Exception as e:  # noqa: BLE001 (the baseline must never stop the sweep)
-                print(f"tq4 failed at b{batch} ctx {ctx}: {type(e).__name__}: {e}", flush=True)
-            if have_fa3:
-                for name, dt in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
-                    if batch * ctx * args.hkv * BYTES_PER_TOKEN_HEAD[name] > args.max_dense_bytes:
-                        continue
-                    k, v = p.dense_cache(dt)
-                    row[f"{name}_ms"] = time_fn(fa3_fn(p, k, v, name == "fp8"), device)
-                    del k, v
-            for name in ("nvfp4", "int4", "tq4", "fp8", "bf16"):
-                if f"{name}_ms" in row:
-                    row[f"{name}_GBps"] = kv_gbps(name, batch, ctx, args, row[f"{name}_ms"])
-            if "fp8_ms" in row:
-                row["speedup_vs_fp8"] = row["fp8_ms"] / row["nvfp4_ms"]
-            if "bf16_ms" in row:
-                row["speedup_vs_bf16"] = row["bf16_ms"] / row["nvfp4_ms"]
-            if "int4_ms" in row:
-                row["speedup_vs_int4"] = row["int4_ms"] / row["nvfp4_ms"]
-            if "tq4_ms" in row:
-                row["speedup_vs_tq4"] = row["tq4_ms"] / row["nvfp4_ms"]
-            row["nvfp4_frac_copy_bw"] = row.get("nvfp4_GBps", 0) * 1e9 / copy_bw
-            res["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+        for c in configs:
+            for batch in args.batch:
+                if batch * ctx > args.max_tokens or time.time() > t_end:
+                    continue
+                row = bench_shape(c, device, batch, ctx, variant, have_fa3)
+                row["nvfp4_frac_copy_bw"] = row.get("nvfp4_GBps", 0) * 1e9 / copy_bw
+                res["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                torch.cuda.empty_cache() if device.type == "cuda" else None
     return res
+
+
+def bench_shape(args, device, batch: int, ctx: int, variant: dict, have_fa3: bool) -> dict:
+    """One row of the sweep: ours (launch variant) and the baselines at batch x ctx with the
+    head configuration of args (head_configs)."""
+    p = Problem.of(args, batch, ctx, device)
+    row = {"ctx": ctx, "batch": batch, "heads": args.label, "window": args.window,
+           "sinks": args.sinks,
+           "splits": choose_num_splits(batch, args.hkv, ctx, device, args.d,
+                                       variant.get("split_rule", DEFAULT_SPLIT_RULE),
+                                       variant.get("launches"))}
+    cache = p.nvfp4_cache()
+    out = torch.empty_like(p.q)
+    row["nvfp4_ms"] = time_fn(run_nvfp4(p, cache, out, **variant), device)
+    del cache
+    if "int4" in args.baselines:
+        try:  # vLLM's int4 decode hit an illegal address at 16 x 16K tokens on an H200
+            if batch * ctx > args.int4_max_tokens:
+                raise RuntimeError("skipped (--int4-max-tokens)")
+            row["int4_ms"] = time_fn(int4_fn(p), device)
+        except Exception as e:  # noqa: BLE001 (the baseline must never stop the sweep)
+            print(f"int4 failed at b{batch} ctx {ctx}: {type(e).__name__}: {e}", flush=True)
+    if "tq4" in args.baselines:
+        try:
+            row["tq4_ms"] = time_fn(tq4_fn(p), device)
+        except Exception as e:  # noqa: BLE001 (the baseline must never stop the sweep)
+            print(f"tq4 failed at b{batch} ctx {ctx}: {type(e).__name__}: {e}", flush=True)
+    if have_fa3:
+        for name, dt in (("fp8", torch.float8_e4m3fn), ("bf16", torch.bfloat16)):
+            dense = batch * ctx * args.hkv * BYTES_PER_TOKEN_HEAD[name] * args.d / 128
+            if dense > args.max_dense_bytes:
+                continue
+            try:
+                k, v = p.dense_cache(dt)
+                row[f"{name}_ms"] = time_fn(fa3_fn(p, k, v, name == "fp8"), device)
+                del k, v
+            except Exception as e:  # noqa: BLE001 (the baseline must never stop the sweep)
+                print(f"FA3 {name} failed at {args.label} b{batch} ctx {ctx}: "
+                      f"{type(e).__name__}: {e}", flush=True)
+    for name in ("nvfp4", "int4", "tq4", "fp8", "bf16"):
+        if f"{name}_ms" in row:
+            row[f"{name}_GBps"] = kv_gbps(name, batch, ctx, args, row[f"{name}_ms"])
+    for name in ("fp8", "bf16", "int4", "tq4"):
+        if f"{name}_ms" in row:
+            row[f"speedup_vs_{name}"] = row[f"{name}_ms"] / row["nvfp4_ms"]
+    return row
 
 
 def tune(args):
@@ -332,61 +392,74 @@ def ab(args):
     K decoded through shared memory (mma_k off) or straight into the MMA layout (on), 64-token
     tiles, 8 warps, twice the default split count (more CTAs per SM), a three-stage load
     pipeline, and DECODE_VARIANTS: V in rows through shared memory (v_rows; the default
-    decodes V^T into the MMA operand), the split and tile rule before 2026-12-06 (per_sm8)."""
+    decodes V^T into the MMA operand), the split and tile rule before 2026-12-06 (per_sm8),
+    other launches at D = 64 and 256 (d64_*, d256_*). Per --heads configuration (default: the
+    one of --hq/--hkv/--d), at --shapes (default: six from 1 x 32K to 16 x 128K)."""
     device = torch.device("cuda")
     res = header(args, device)
-    for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
-        for ns, err in check(args, device, mma_k=mma_k, num_warps=warps).items():
-            res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}"] = err
-    for name, kw in DECODE_VARIANTS.items():
-        if args.variants and name not in args.variants:
-            continue
-        for ns, err in check(args, device, **kw).items():
-            res[f"check_max_err_{name}_s{ns}"] = err
+    configs = head_configs(args)
+    for c in configs:
+        tag = f"_{c.label}" if args.heads else ""
+        for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
+            for ns, err in check(c, device, mma_k=mma_k, num_warps=warps).items():
+                res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}{tag}"] = err
+        for name, kw in DECODE_VARIANTS.items():
+            if args.variants and name not in args.variants:
+                continue
+            for ns, err in check(c, device, **kw).items():
+                res[f"check_max_err_{name}_s{ns}{tag}"] = err
     print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
     res["copy_bandwidth_GBps"] = copy_bandwidth(device) / 1e9
-    shapes = [(1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072)]
-    for batch, ctx in shapes:
-        p = Problem(batch, ctx, args.hq, args.hkv, args.d, args.page, device)
-        cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
-        base = choose_num_splits(batch, args.hkv, ctx, device, args.d)
-        row = {"batch": batch, "ctx": ctx, "splits": base}
-        variants = (("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
-                    ("mma_k_bn64", dict(mma_k=True, block_n=64)),
-                    ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
-                    ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
-                    ("mma_k_stages3", dict(mma_k=True, bt_ahead=False, num_stages=3)),  # Triton gives the extra
-                    # stage to the block-table loads; K/V stay one tile ahead (RESULTS.md)
-                    ("bt_ahead_s4_bn128", dict(mma_k=True, bt_ahead=True, num_stages=4,
-                                               block_n=128)),  # 128-token tiles everywhere
-                    *((name, dict(mma_k=True, **kw)) for name, kw in DECODE_VARIANTS.items()
-                      if name != "default"))
-        variants = [(n, kw) for n, kw in variants
-                    if not args.variants or n in args.variants or n == "mma_k"]
-        for name, kw in variants:
-            row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
-            row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])
-        del cache
-        try:
-            k, v = p.dense_cache(torch.float8_e4m3fn)
-            row["fp8_ms"] = time_fn(fa3_fn(p, k, v, True), device)
-            del k, v
-            for name, _ in variants:
-                row[f"{name}_vs_fp8"] = row["fp8_ms"] / row[f"{name}_ms"]
-        except Exception as e:  # noqa: BLE001 (no bundle: ours only)
-            print("no FA3:", type(e).__name__, e)
-        res["rows"].append(row)
-        print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
-    names = [n for n, _ in variants]
+    shapes = [tuple(map(int, x.split("x"))) for x in args.shapes] or [
+        (1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072)]
+    for c in configs:
+        for batch, ctx in shapes:
+            names = ab_shape(c, device, batch, ctx, res)
     # against FA3 FP8 where the bundle (or .kit) is there; always against mma_k, the default
     for base, title in (("fp8", "FA3 FP8"), ("mma_k", "the default (mma_k)")):
-        print(f"\nspeed vs {title} (x; > 1 is faster)\n| batch | ctx | " + " | ".join(names)
-              + " |")
+        print(f"\nspeed vs {title} (x; > 1 is faster)\n| heads | batch | ctx | "
+              + " | ".join(names) + " |")
         for r in res["rows"]:
-            print(f"| {r['batch']} | {r['ctx'] // 1024}K | " + " | ".join(
+            print(f"| {r['heads']} | {r['batch']} | {r['ctx'] // 1024}K | " + " | ".join(
                 f"{r.get(base + '_ms', float('nan')) / r[n + '_ms']:.2f}" for n in names) + " |")
     return res
+
+
+def ab_shape(args, device, batch: int, ctx: int, res: dict) -> list[str]:
+    """ab()'s row at one shape and head configuration (appended to res["rows"]); returns the
+    variants' names."""
+    p = Problem.of(args, batch, ctx, device)
+    cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
+    base = choose_num_splits(batch, args.hkv, ctx, device, args.d)
+    row = {"heads": args.label, "batch": batch, "ctx": ctx, "splits": base}
+    variants = (("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
+                ("mma_k_bn64", dict(mma_k=True, block_n=64)),
+                ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
+                ("mma_k_2xsplits", dict(mma_k=True, num_splits=min(64, 2 * base))),
+                ("mma_k_stages3", dict(mma_k=True, bt_ahead=False, num_stages=3)),  # Triton gives the extra
+                # stage to the block-table loads; K/V stay one tile ahead (RESULTS.md)
+                ("bt_ahead_s4_bn128", dict(mma_k=True, bt_ahead=True, num_stages=4,
+                                           block_n=128)),  # 128-token tiles everywhere
+                *((name, dict(mma_k=True, **kw)) for name, kw in DECODE_VARIANTS.items()
+                  if name != "default"))
+    variants = [(n, kw) for n, kw in variants
+                if not args.variants or n in args.variants or n == "mma_k"]
+    for name, kw in variants:
+        row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
+        row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])
+    del cache
+    try:
+        k, v = p.dense_cache(torch.float8_e4m3fn)
+        row["fp8_ms"] = time_fn(fa3_fn(p, k, v, True), device)
+        del k, v
+        for name, _ in variants:
+            row[f"{name}_vs_fp8"] = row["fp8_ms"] / row[f"{name}_ms"]
+    except Exception as e:  # noqa: BLE001 (no bundle: ours only)
+        print("no FA3:", type(e).__name__, e)
+    res["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    torch.cuda.empty_cache()
+    return [n for n, _ in variants]
 
 
 def split_sweep(args):
@@ -472,17 +545,53 @@ def plot(res, path):
     fig.savefig(path, dpi=110)
 
 
+def plot_heads(res, path):
+    """Per head configuration (a panel each): NVFP4's speed-up over FA3 FP8 (solid) and BF16
+    (dashed) against the context, a line per batch, with the issue's targets (1.5x, 2.5x)."""
+    plt = common.pyplot()
+    rows = res["rows"]
+    labels = list(dict.fromkeys(r["heads"] for r in rows))
+    cols = min(4, len(labels))
+    nrows = math.ceil(len(labels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    colors = dict(zip(sorted({r["batch"] for r in rows}), plt.rcParams["axes.prop_cycle"]
+                      .by_key()["color"]))
+    for ax, label in zip(axes.flat, labels):
+        for b, color in colors.items():
+            rs = sorted((r for r in rows if r["heads"] == label and r["batch"] == b),
+                        key=lambda r: r["ctx"])
+            for key, style in (("speedup_vs_fp8", "-o"), ("speedup_vs_bf16", "--^")):
+                xs = [r["ctx"] for r in rs if key in r]
+                if xs:
+                    ax.plot(xs, [r[key] for r in rs if key in r], style, color=color, ms=3,
+                            label=f"b{b} vs {key[-4:].lstrip('_').upper()}")
+        for target, ls in ((1.5, "-"), (2.5, "--")):
+            ax.axhline(target, color="r", lw=0.7, ls=ls)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"heads {label}", fontsize=9)
+        ax.set_xlabel("context (tokens)", fontsize=8)
+        ax.set_ylabel("NVFP4 speed-up", fontsize=8)
+    for ax in list(axes.flat)[len(labels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"decode attention vs FA3 FP8 (solid) and BF16 (dashed), {res['gpu']}, "
+                 f"{res['date']}; targets 1.5x / 2.5x", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def print_markdown(res):
     print(f"{res['gpu']}, {res['date']}, torch {res['torch']}, triton {res['triton']}, "
           f"vLLM {res.get('vllm', '-')} FA3; heads {res['heads']}, page {res['page']}; "
           f"copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s (read + write)\n")
-    print("| batch | context | BF16 FA3 ms | FP8 FA3 ms | INT4 Triton ms | TQ 4-bit Triton ms "
-          "| NVFP4 ms | NVFP4 speed-up vs FP8 | vs BF16 | vs INT4 | vs TQ 4-bit | NVFP4 KV GB/s "
-          "| INT4 KV GB/s | % of copy bw |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| heads | batch | context | BF16 FA3 ms | FP8 FA3 ms | INT4 Triton ms "
+          "| TQ 4-bit Triton ms | NVFP4 ms | NVFP4 speed-up vs FP8 | vs BF16 | vs INT4 "
+          "| vs TQ 4-bit | NVFP4 KV GB/s | INT4 KV GB/s | % of copy bw |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in res["rows"]:
         f = lambda k, fmt=".3f": format(r[k], fmt) if k in r else "-"  # noqa: E731
-        print(f"| {r['batch']} | {r['ctx'] // 1024}K | {f('bf16_ms')} | {f('fp8_ms')} | "
+        heads = r.get("heads", "/".join(map(str, res["heads"])))
+        print(f"| {heads} | {r['batch']} | {r['ctx'] // 1024}K | {f('bf16_ms')} | {f('fp8_ms')} | "
               f"{f('int4_ms')} | {f('tq4_ms')} | {f('nvfp4_ms')} | {f('speedup_vs_fp8', '.2f')}x | "
               f"{f('speedup_vs_bf16', '.2f')}x | {f('speedup_vs_int4', '.2f')}x | "
               f"{f('speedup_vs_tq4', '.2f')}x | "
@@ -496,6 +605,15 @@ def main():
     ap.add_argument("--ctx", type=int, nargs="+",
                     default=[4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--heads", nargs="+", default=[], metavar="HQ/HKV/D[+sinks][+wN]",
+                    help="head configurations, one after another in one process (instead of "
+                    "--hq/--hkv/--d; with sinks, with an N-token sliding window; a set name: "
+                    + ", ".join(f"{k} = {' '.join(v)}" for k, v in HEAD_SETS.items())
+                    + "); the sweep and --ab")
+    ap.add_argument("--baselines", nargs="*", default=["fa3", "int4", "tq4"],
+                    choices=["fa3", "int4", "tq4"], help="the sweep's baselines (default all)")
+    ap.add_argument("--rep-ms", type=float, default=100,
+                    help="CUDA-graph replay time of each measurement (do_bench_cudagraph rep)")
     ap.add_argument("--hq", type=int, default=32)
     ap.add_argument("--hkv", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
@@ -513,16 +631,18 @@ def main():
                     "default kernel), e.g. v_rows mma_k_bn64")
     ap.add_argument("--split-sweep", action="store_true", help="see split_sweep()")
     ap.add_argument("--shapes", nargs="+", default=[], metavar="BATCHxCTX",
-                    help="--split-sweep: these shapes instead of its own, e.g. 8x32768")
+                    help="--split-sweep, --ab: these shapes instead of their own, e.g. "
+                    "8x32768")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")
     ap.add_argument("--variant", default="default", choices=sorted(DECODE_VARIANTS),
                     help="the sweep's NVFP4 launch variant (kernels.decode.DECODE_VARIANTS)")
     ap.add_argument("--once", action="store_true",
                     help="run each timed function once, untimed (under compute-sanitizer)")
+    ap.set_defaults(sinks=False, window=None)  # the --hq/--hkv/--d problem: neither
     args = ap.parse_args()
-    global ONCE
-    ONCE = args.once
+    global ONCE, REP_MS
+    ONCE, REP_MS = args.once, args.rep_ms
     if args.table:
         print_markdown(common.read_json(args.table))
         return
@@ -534,13 +654,13 @@ def main():
     if args.ab or args.split_sweep:
         return
     if not args.tune and res["rows"]:
-        plot(res, args.out.replace(".json", ".png"))
+        (plot_heads if args.heads else plot)(res, args.out.replace(".json", ".png"))
     if not args.tune:
-        print(f"{'ctx':>8} {'b':>3} {'nvfp4 ms':>9} {'int4 ms':>8} {'tq4 ms':>8} {'fp8 ms':>8} "
-              f"{'bf16 ms':>8} {'x int4':>6} {'x tq4':>6} {'x fp8':>6} {'x bf16':>6} {'GB/s':>6} "
-              f"{'%copy':>6}")
+        print(f"{'heads':>18} {'ctx':>8} {'b':>3} {'nvfp4 ms':>9} {'int4 ms':>8} {'tq4 ms':>8} "
+              f"{'fp8 ms':>8} {'bf16 ms':>8} {'x int4':>6} {'x tq4':>6} {'x fp8':>6} "
+              f"{'x bf16':>6} {'GB/s':>6} {'%copy':>6}")
         for r in res["rows"]:
-            print(f"{r['ctx']:>8} {r['batch']:>3} {r['nvfp4_ms']:>9.4f} "
+            print(f"{r['heads']:>18} {r['ctx']:>8} {r['batch']:>3} {r['nvfp4_ms']:>9.4f} "
                   f"{r.get('int4_ms', float('nan')):>8.4f} {r.get('tq4_ms', float('nan')):>8.4f} "
                   f"{r.get('fp8_ms', float('nan')):>8.4f} {r.get('bf16_ms', float('nan')):>8.4f} "
                   f"{r.get('speedup_vs_int4', float('nan')):>6.2f} "

@@ -12,6 +12,8 @@ and prints just that mix (the number the kernel's design is judged by before any
 
     python -P -m evals.profile_decode --sass-only [--block-n 128 --warps 4 --stages 2]
         [--full-v] [--v-rows] [--no-mma-k] [--maxnreg 128] [--bt-ahead] [--arch 90|89|80]
+        [--d 64|128|256] [--qpk 8]
+    python -P -m evals.profile_decode --sass-only --launch --d 64   # decode.HOPPER_LAUNCHES[64]
 """
 from __future__ import annotations
 
@@ -23,10 +25,13 @@ import torch
 
 from evals import bench_decode as bd
 from vllm_nvfp4kv.kernels import aot
+from vllm_nvfp4kv.kernels.decode import hopper_launch
+from vllm_nvfp4kv.kernels.format import row_bytes
 
 
 def loop_mix(kernel, block_n: int, num_warps: int, bytes_per_token: int = 144) -> str:
-    """Instruction counts of the longest loop in the kernel's SASS, and the kernel's cp.async
+    """Instruction counts of the longest loop in the kernel's SASS per KV byte
+    (bytes_per_token: K + V bytes of one token and KV head, 144 at D = 128), and its cp.async
     waits (DEPBAR.LE SB0, n: wait until at most n copy groups are in flight; 0 at the loop top
     means each tile's loads are drained before it is used, none loading while one computes)."""
     sass = aot.cuda_tool(kernel, "nvdisasm", "-c")
@@ -88,15 +93,26 @@ def main():
     ap.add_argument("--bt-ahead", action="store_true", help="block-table entries a tile ahead "
                     "(with --stages 3 or 4: K/V tiles stay in flight across the loop top; "
                     "the launcher's Hopper default is --bt-ahead --stages 4)")
+    ap.add_argument("--d", type=int, default=128, help="--sass-only: head size")
+    ap.add_argument("--qpk", type=int, default=4, help="--sass-only: query heads per KV head")
+    ap.add_argument("--launch", action="store_true", help="--sass-only: the launcher's Hopper "
+                    "launch at --d (decode.HOPPER_LAUNCHES: its tile, pipeline and register "
+                    "cap, in place of --block-n, --warps, --stages, --bt-ahead, --maxnreg)")
     ap.add_argument("--arch", type=int, default=90, help="--sass-only: the sm_ target (80, 89: "
                     "mma.sync, where the launcher's default is --no-mma-k)")
     args = ap.parse_args()
     if args.sass_only:
-        kernel = compile_sass(args.block_n, args.warps, args.stages, mma_k=not args.no_mma_k,
-                              v_halves=not args.full_v, maxnreg=args.maxnreg, arch=args.arch,
-                              mma_v=not args.v_rows, bt_ahead=args.bt_ahead)
+        block_n, warps = args.block_n, args.warps
+        if args.launch:
+            block_n, warps = hopper_launch(args.d).block_n, 4
+            kernel = aot.compile_hopper_decode(args.d, args.qpk)
+        else:
+            kernel = compile_sass(block_n, warps, args.stages, args.qpk, args.d,
+                                  mma_k=not args.no_mma_k, v_halves=not args.full_v,
+                                  maxnreg=args.maxnreg, arch=args.arch, mma_v=not args.v_rows,
+                                  bt_ahead=args.bt_ahead)
         print(resources(kernel, args.arch))
-        print(loop_mix(kernel, args.block_n, args.warps))
+        print(loop_mix(kernel, block_n, warps, 2 * row_bytes(args.d)))
         return
     dev = torch.device("cuda")
     p = bd.Problem(args.batch, args.ctx, 32, 8, 128, 16, dev)
