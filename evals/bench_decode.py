@@ -393,19 +393,17 @@ def ab(args):
     tiles, 8 warps, twice the default split count (more CTAs per SM), a three-stage load
     pipeline, and DECODE_VARIANTS: V in rows through shared memory (v_rows; the default
     decodes V^T into the MMA operand), the split and tile rule before 2026-12-06 (per_sm8),
-    other launches at D = 64 and 256 (d64_*, d256_*). Per --heads configuration (default: the
-    one of --hq/--hkv/--d), at --shapes (default: six from 1 x 32K to 16 x 128K)."""
+    other launches at D = 64 and 256 (d64_*, d256_*, s128). Per --heads configuration
+    (default: the one of --hq/--hkv/--d), at --shapes (default: six from 1 x 32K to
+    16 x 128K); each variant timed (--variants, and mma_k, the default) is checked against
+    the reference first."""
     device = torch.device("cuda")
     res = header(args, device)
     configs = head_configs(args)
     for c in configs:
         tag = f"_{c.label}" if args.heads else ""
-        for mma_k, warps in ((False, 4), (False, 8), (True, 4), (True, 8)):
-            for ns, err in check(c, device, mma_k=mma_k, num_warps=warps).items():
-                res[f"check_max_err_mma_k{int(mma_k)}_s{ns}_w{warps}{tag}"] = err
-        for name, kw in DECODE_VARIANTS.items():
-            if args.variants and name not in args.variants:
-                continue
+        for name, kw in ab_variants(args, 1):
+            kw = {k: v for k, v in kw.items() if k != "num_splits"}  # check() sets 1 and 4
             for ns, err in check(c, device, **kw).items():
                 res[f"check_max_err_{name}_s{ns}{tag}"] = err
     print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
@@ -414,7 +412,8 @@ def ab(args):
         (1, 32768), (4, 32768), (16, 32768), (64, 32768), (1, 262144), (16, 131072)]
     for c in configs:
         for batch, ctx in shapes:
-            names = ab_shape(c, device, batch, ctx, res)
+            ab_shape(c, device, batch, ctx, res)
+    names = [n for n, _ in ab_variants(args, 1)]
     # against FA3 FP8 where the bundle (or .kit) is there; always against mma_k, the default
     for base, title in (("fp8", "FA3 FP8"), ("mma_k", "the default (mma_k)")):
         print(f"\nspeed vs {title} (x; > 1 is faster)\n| heads | batch | ctx | "
@@ -425,13 +424,9 @@ def ab(args):
     return res
 
 
-def ab_shape(args, device, batch: int, ctx: int, res: dict) -> list[str]:
-    """ab()'s row at one shape and head configuration (appended to res["rows"]); returns the
-    variants' names."""
-    p = Problem.of(args, batch, ctx, device)
-    cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
-    base = choose_num_splits(batch, args.hkv, ctx, device, args.d)
-    row = {"heads": args.label, "batch": batch, "ctx": ctx, "splits": base}
+def ab_variants(args, base: int) -> list[tuple[str, dict]]:
+    """ab()'s variants (name, decode_attention options) at a default split count base: all,
+    or --variants and mma_k."""
     variants = (("smem_k", dict(mma_k=False)), ("mma_k", dict(mma_k=True)),
                 ("mma_k_bn64", dict(mma_k=True, block_n=64)),
                 ("mma_k_8warps", dict(mma_k=True, block_n=128, num_warps=8)),
@@ -442,8 +437,17 @@ def ab_shape(args, device, batch: int, ctx: int, res: dict) -> list[str]:
                                            block_n=128)),  # 128-token tiles everywhere
                 *((name, dict(mma_k=True, **kw)) for name, kw in DECODE_VARIANTS.items()
                   if name != "default"))
-    variants = [(n, kw) for n, kw in variants
-                if not args.variants or n in args.variants or n == "mma_k"]
+    return [(n, kw) for n, kw in variants
+            if not args.variants or n in args.variants or n == "mma_k"]
+
+
+def ab_shape(args, device, batch: int, ctx: int, res: dict):
+    """ab()'s row at one shape and head configuration, appended to res["rows"]."""
+    p = Problem.of(args, batch, ctx, device)
+    cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
+    base = choose_num_splits(batch, args.hkv, ctx, device, args.d)
+    row = {"heads": args.label, "batch": batch, "ctx": ctx, "splits": base}
+    variants = ab_variants(args, base)
     for name, kw in variants:
         row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
         row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])
@@ -459,7 +463,6 @@ def ab_shape(args, device, batch: int, ctx: int, res: dict) -> list[str]:
     res["rows"].append(row)
     print(json.dumps(row), flush=True)
     torch.cuda.empty_cache()
-    return [n for n, _ in variants]
 
 
 def split_sweep(args):
