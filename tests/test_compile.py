@@ -36,10 +36,12 @@ def _compile_all() -> dict:
 def _register_operand_dots(kernel) -> list[bool]:
     """For each wgmma of the kernel's TTGIR: whether its A operand comes from registers as
     computed (not read back from shared memory or converted: ttg.local_load /
-    ttg.convert_layout)."""
+    ttg.convert_layout), with no layout conversion of fp16 or int32 tensors (decoded values,
+    page words) anywhere in the kernel."""
     ir = kernel.asm["ttgir"]
     defs = {m.group(1): m.group(2) for m in re.finditer(r"(%[\w.]+)(?::\d+)? = ([\w.]+)", ir)}
-    return [defs.get(a) not in ("ttg.local_load", "ttg.convert_layout")
+    converted = re.findall(r"ttg\.convert_layout %[\w.]+ : tensor<[\dx]*(?:f16|i32),", ir)
+    return [defs.get(a) not in ("ttg.local_load", "ttg.convert_layout") and not converted
             for a in re.findall(r"ttng\.warp_group_dot (%[\w.]+)", ir)]
 
 
