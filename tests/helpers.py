@@ -1,4 +1,6 @@
 """Small helpers shared by the test modules (plain module: tests/ is on sys.path under pytest)."""
+from pathlib import Path
+
 import torch
 
 
@@ -51,3 +53,40 @@ def vllm_cache_view(raw: torch.Tensor, spec, num_blocks: int) -> torch.Tensor:
                            layer_stride=num_blocks * page, block_stride=page)
     return create_kv_cache_views(raw, spec, num_blocks, B.supported_kv_cache_layouts()[0],
                                  tensor)[0]
+
+
+TINY_LLAMA = Path(__file__).resolve().parents[1] / "evals" / "models" / "tiny-llama"
+
+
+def write_sharp_tiny_llama(out: Path) -> Path:
+    """tiny-llama's architecture with seeded random weights large enough that attention and
+    the output distribution are not flat, written as a real checkpoint. (With
+    load_format="dummy" the weights are ~1e-3: every next-token distribution is uniform to
+    1e-6, so an engine test on dummy weights cannot see a corrupted cache, and greedy picks
+    sit at near-ties; and dummy weights are drawn per tensor-parallel shard.)"""
+    import json
+
+    from safetensors.torch import save_file
+    cfg = json.loads((TINY_LLAMA / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    hd, hq, hkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, inter, vocab = cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]
+
+    def w(*shape, std=0.125):
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    ones = torch.ones(hd, dtype=torch.bfloat16)
+    t = {"model.embed_tokens.weight": w(vocab, hd, std=1.0), "model.norm.weight": ones,
+         "lm_head.weight": w(vocab, hd)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        t.update({p + "self_attn.q_proj.weight": w(hq * d, hd),
+                  p + "self_attn.k_proj.weight": w(hkv * d, hd),
+                  p + "self_attn.v_proj.weight": w(hkv * d, hd),
+                  p + "self_attn.o_proj.weight": w(hd, hq * d),
+                  p + "mlp.gate_proj.weight": w(inter, hd), p + "mlp.up_proj.weight": w(inter, hd),
+                  p + "mlp.down_proj.weight": w(hd, inter),
+                  p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones})
+    save_file({k: v.clone() for k, v in t.items()}, str(out / "model.safetensors"))
+    return out

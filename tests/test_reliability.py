@@ -40,7 +40,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
-from helpers import _gen, garbage, nvfp4_spec, vllm_cache_view  # noqa: E402
+from helpers import _gen, garbage, nvfp4_spec, vllm_cache_view, write_sharp_tiny_llama  # noqa: E402,E501
 
 
 def slots_of(table_row: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
@@ -915,32 +915,7 @@ def sharp_model(tmp_path_factory) -> str:
     1e-6, and shuffling the cached V rows of every request leaves the greedy tokens
     unchanged, so an engine test on dummy weights cannot see a corrupted cache. With these
     weights the same shuffle changes them.)"""
-    import json
-    from safetensors.torch import save_file
-    out = tmp_path_factory.mktemp("sharp-tiny-llama")
-    cfg = json.loads((Path(TINY) / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(0)
-    hd, hq, hkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d, inter, vocab = cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]
-
-    def w(*shape, std=0.125):
-        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
-
-    ones = torch.ones(hd, dtype=torch.bfloat16)
-    t = {"model.embed_tokens.weight": w(vocab, hd, std=1.0), "model.norm.weight": ones,
-         "lm_head.weight": w(vocab, hd)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        t.update({p + "self_attn.q_proj.weight": w(hq * d, hd),
-                  p + "self_attn.k_proj.weight": w(hkv * d, hd),
-                  p + "self_attn.v_proj.weight": w(hkv * d, hd),
-                  p + "self_attn.o_proj.weight": w(hd, hq * d),
-                  p + "mlp.gate_proj.weight": w(inter, hd), p + "mlp.up_proj.weight": w(inter, hd),
-                  p + "mlp.down_proj.weight": w(hd, inter),
-                  p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones})
-    save_file({k: v.clone() for k, v in t.items()}, str(out / "model.safetensors"))
-    return str(out)
+    return str(write_sharp_tiny_llama(tmp_path_factory.mktemp("sharp-tiny-llama")))
 
 
 def _greedy(llm, prompts, max_tokens):
