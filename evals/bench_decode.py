@@ -107,7 +107,8 @@ class Problem:
         for s in range(0, total, chunk):
             n = min(chunk, total - s)
             kv = torch.randn(n, self.hkv, self.d, dtype=torch.bfloat16, device=self.device)
-            write_cache(cache, kv, kv, torch.arange(s, s + n, device=self.device), 1.0, 1.0)
+            write_cache(cache, kv, kv, torch.arange(s, s + n, device=self.device), 1.0, 1.0,
+                        "amax6")
         return cache
 
     def dense_cache(self, dtype):
@@ -136,7 +137,8 @@ def fa3_fn(p: Problem, k, v, fp8: bool):
     return lambda: flash_attn_varlen_func(
         q, k, v, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=p.ctx, seqused_k=p.seq_lens,
         softmax_scale=p.scale, causal=True, block_table=p.block_table, out=out, fa_version=3,
-        window_size=[p.window - 1, 0] if p.window else None, s_aux=p.sinks, **desc)
+        window_size=[p.window - 1, 0] if p.window else None,
+        s_aux=None if p.sinks is None else p.sinks.to(torch.bfloat16), **desc)  # FA3: bf16 only
 
 
 def int4_fn(p: Problem):
