@@ -16,7 +16,7 @@ for part in .fikit/a .fikit/jit; do
   [ -f $part/install ] && { bash $part/install /tmp/fikit || exit 1; }
 done
 rm -rf /tmp/ours
-pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ours . 2>&1 | grep -v WARNING
+pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ours . ./evals 2>&1 | grep -v WARNING
 SITE=""
 [ -d /tmp/site/vllm ] && SITE=:/tmp/site
 export PYTHONPATH=/tmp/fikit:/tmp/ours$SITE PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws

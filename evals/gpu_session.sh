@@ -35,7 +35,7 @@ for w in .whl .whl-lmeval; do
       --target /tmp/site $w/*.whl 2>&1 | grep -v WARNING
 done
 rm -rf /tmp/ours
-pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ours . 2>&1 | grep -v WARNING
+pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ours . ./evals 2>&1 | grep -v WARNING
 # the dummy-weight servers take SmolLM2's tokenizer from .tok when carried (evals/serve_bench.py)
 [ -d .tok ] && export SMOLLM2_TOKENIZER=$PWD/.tok
 export PYTHONPATH=/tmp/ours:/tmp/site:/tmp/models PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
