@@ -121,11 +121,18 @@ def test_cpu_selection_changes_only_nvfp4():
         cfg = AttentionSelectorConfig(head_size=64, dtype=torch.bfloat16, kv_cache_dtype=dtype,
                                       block_size=32)
         for backend in (None, AttentionBackendEnum.CPU_ATTN):
-            want = original(CpuPlatform, backend, cfg, 8)
-            assert CpuPlatform.get_attn_backend_cls(backend, cfg, 8) == want
-            assert CpuPlatform.get_attn_backend_cls(selected_backend=backend,
-                                                    attn_selector_config=cfg,
-                                                    num_heads=8) == want
+            want = _outcome(original, CpuPlatform, backend, cfg, 8)
+            assert _outcome(CpuPlatform.get_attn_backend_cls, backend, cfg, 8) == want
+            assert _outcome(CpuPlatform.get_attn_backend_cls, selected_backend=backend,
+                            attn_selector_config=cfg, num_heads=8) == want
+
+
+def _outcome(fn, *args, **kwargs):
+    """What a call returns, or the error it raises (vLLM refuses some dtypes on the CPU)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the same refusal is the expected outcome
+        return type(e), str(e)
 
 
 def test_4over6_is_served_with_its_rule():
