@@ -34,8 +34,9 @@ import triton  # noqa: E402
 from evals import common  # noqa: E402
 from vllm_nvfp4kv.kernels import decode_attention, kv_cache_shape, reference, write_cache  # noqa: E402
 from vllm_nvfp4kv.kernels.decode import (DECODE_VARIANTS, DEFAULT_SPLIT_RULE,  # noqa: E402
-                                         HOPPER_PROGRAMS_PER_SM, choose_block_n,
-                                         choose_num_splits, clamp_splits)
+                                         HOPPER_PROGRAMS_PER_SM, SMALL_GRID_MAX_SPLITS,
+                                         choose_block_n, choose_num_splits, clamp_splits,
+                                         max_splits)
 
 # K+V, D=128; int4: [K(64) | K scale+zero-point(4) | V(64) | V scale+zero-point(4)];
 # tq4 (turboquant_4bit_nc): [K codebook indices(64) + norm(2) | V(64) + scale+zero(4)]
@@ -59,6 +60,7 @@ def copy_bandwidth(device) -> float:
 
 ONCE = False  # --once: every timed function runs once, no timing (compute-sanitizer runs)
 REP_MS = 100  # --rep-ms: CUDA-graph replay time per measurement
+SPLIT_LEN = 0  # --split-len: ours sizes its split count for at least this many tokens
 
 
 def time_fn(fn, device) -> float:
@@ -120,7 +122,8 @@ class Problem:
 
 def run_nvfp4(p: Problem, cache, out, **kw):
     return lambda: decode_attention(p.q, cache, p.block_table, p.seq_lens, out, p.scale,
-                                    p.one, p.one, max_seq_len=p.ctx, sliding_window=p.window,
+                                    p.one, p.one, max_seq_len=max(p.ctx, SPLIT_LEN),
+                                    sliding_window=p.window,
                                     sinks=p.sinks, **kw)
 
 
@@ -180,15 +183,16 @@ def int4_fn(p: Problem):
 
 def check(args, device, **kw) -> dict[int, float]:
     """Ours (launch options kw) vs the torch reference on a small problem before any timing:
-    the max abs error for one and for four splits (asserted small)."""
-    p = Problem.of(args, 3, 1000 if device.type == "cuda" else 40, device)
+    the max abs error for one, four and 128 splits (asserted small; on a GPU 8448 tokens:
+    66 of 128-token tiles, so the reduction's second chunk of 64 partials has live ones)."""
+    p = Problem.of(args, 3, 8448 if device.type == "cuda" else 40, device)
     cache = p.nvfp4_cache()
     out = torch.empty_like(p.q)
     ref = reference.paged_attention(p.q, cache, p.block_table,
                                     torch.arange(p.batch + 1, device=device), p.seq_lens,
                                     p.scale, 1.0, 1.0, sliding_window=p.window, sinks=p.sinks)
     errs = {}
-    for ns in (1, 4):
+    for ns in (1, 4, SMALL_GRID_MAX_SPLITS):
         decode_attention(p.q, cache, p.block_table, p.seq_lens, out, p.scale, 1.0, 1.0,
                          num_splits=ns, sliding_window=p.window, sinks=p.sinks, **kw)
         errs[ns] = (out.float() - ref).abs().max().item()
@@ -395,7 +399,10 @@ def ab(args):
     tiles, 8 warps, twice the default split count (more CTAs per SM), a three-stage load
     pipeline, and DECODE_VARIANTS: V in rows through shared memory (v_rows; the default
     decodes V^T into the MMA operand), the split and tile rule before 2026-12-06 (per_sm8),
-    other launches at D = 64 and 256 (d64_*, d256_*, s128). Per --heads configuration
+    other launches at D = 64 and 256 (d64_*, d256_*), at most 64 splits at every grid
+    (cap64; the default takes up to 128 where 64 fill at most half a wave; --split-len
+    sizes the split counts for a longer max_model_len, as the backend does, so short
+    contexts get as many splits as long ones). Per --heads configuration
     (default: the one of --hq/--hkv/--d), at --shapes (default: six from 1 x 32K to
     16 x 128K); each variant timed (--variants, and mma_k, the default) is checked against
     the reference first."""
@@ -405,7 +412,7 @@ def ab(args):
     for c in configs:
         tag = f"_{c.label}" if args.heads else ""
         for name, kw in ab_variants(args, 1):
-            kw = {k: v for k, v in kw.items() if k != "num_splits"}  # check() sets 1 and 4
+            kw = {k: v for k, v in kw.items() if k != "num_splits"}  # check() sets its own
             for ns, err in check(c, device, **kw).items():
                 res[f"check_max_err_{name}_s{ns}{tag}"] = err
     print(json.dumps({k: v for k, v in res.items() if k.startswith("check")}), flush=True)
@@ -447,10 +454,14 @@ def ab_shape(args, device, batch: int, ctx: int, res: dict):
     """ab()'s row at one shape and head configuration, appended to res["rows"]."""
     p = Problem.of(args, batch, ctx, device)
     cache, out = p.nvfp4_cache(), torch.empty_like(p.q)
-    base = choose_num_splits(batch, args.hkv, ctx, device, args.d)
-    row = {"heads": args.label, "batch": batch, "ctx": ctx, "splits": base}
+    plan = max(ctx, SPLIT_LEN)  # what run_nvfp4 sizes the split count for
+    base = choose_num_splits(batch, args.hkv, plan, device, args.d)
+    row = {"heads": args.label, "batch": batch, "ctx": ctx, "split_len": plan, "splits": base}
     variants = ab_variants(args, base)
     for name, kw in variants:
+        row[f"{name}_splits"] = kw.get("num_splits") or choose_num_splits(
+            batch, args.hkv, plan, device, args.d, kw.get("split_rule", DEFAULT_SPLIT_RULE),
+            kw.get("launches"))
         row[f"{name}_ms"] = time_fn(run_nvfp4(p, cache, out, **kw), device)
         row[f"{name}_GBps"] = kv_gbps("nvfp4", batch, ctx, args, row[f"{name}_ms"])
     del cache
@@ -492,7 +503,8 @@ def split_sweep(args):
         counts.setdefault(chosen, "the launcher's")
         timed = set()
         for want, rule in sorted(counts.items()):
-            ns = clamp_splits(want, ctx)  # as choose_num_splits does
+            # capped as choose_num_splits does
+            ns = clamp_splits(want, ctx, max_splits(programs, HOPPER_PROGRAMS_PER_SM * sms))
             if ns in timed:
                 continue  # clamped onto a count already timed
             timed.add(ns)
@@ -585,6 +597,19 @@ def plot_heads(res, path):
     fig.savefig(path, dpi=110)
 
 
+def join(paths: list[str]) -> dict:
+    """--heads sweep results (e.g. run in several calls) as one, rows in order of first
+    appearance; the header is the first file's, with the sources listed."""
+    results = [common.read_json(p) for p in paths]
+    if len({r["gpu"] for r in results}) != 1:
+        raise SystemExit("--join: the files come from different GPUs")
+    rows = {}
+    for r in results:
+        for row in r["rows"]:
+            rows[(row["heads"], row["batch"], row["ctx"])] = row
+    return {**results[0], "rows": list(rows.values()), "joined_from": list(paths)}
+
+
 def print_markdown(res):
     print(f"{res['gpu']}, {res['date']}, torch {res['torch']}, triton {res['triton']}, "
           f"vLLM {res.get('vllm', '-')} FA3; heads {res['heads']}, page {res['page']}; "
@@ -638,18 +663,30 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=[], metavar="BATCHxCTX",
                     help="--split-sweep, --ab: these shapes instead of their own, e.g. "
                     "8x32768")
+    ap.add_argument("--split-len", type=int, default=0, metavar="TOKENS",
+                    help="--ab: size our split counts for at least this many tokens (the "
+                    "backend sizes them for max_model_len), e.g. 131072 with short --shapes")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")
+    ap.add_argument("--join", nargs="+", metavar="JSON",
+                    help="--heads sweeps of one GPU joined into --out (and its per-head PNG): "
+                    "a later file's row replaces an earlier one's at the same heads, batch "
+                    "and context")
     ap.add_argument("--variant", default="default", choices=sorted(DECODE_VARIANTS),
                     help="the sweep's NVFP4 launch variant (kernels.decode.DECODE_VARIANTS)")
     ap.add_argument("--once", action="store_true",
                     help="run each timed function once, untimed (under compute-sanitizer)")
     ap.set_defaults(sinks=False, window=None)  # the --hq/--hkv/--d problem: neither
     args = ap.parse_args()
-    global ONCE, REP_MS
-    ONCE, REP_MS = args.once, args.rep_ms
+    global ONCE, REP_MS, SPLIT_LEN
+    ONCE, REP_MS, SPLIT_LEN = args.once, args.rep_ms, args.split_len
     if args.table:
         print_markdown(common.read_json(args.table))
+        return
+    if args.join:
+        res = join(args.join)
+        common.write_json(args.out, res)
+        plot_heads(res, os.path.splitext(args.out.removesuffix(".gz"))[0] + ".png")
         return
     if args.toy:
         args.ctx, args.batch, args.hq, args.hkv = [64, 200], [1, 2], 4, 1
