@@ -116,10 +116,15 @@ def read_json(path: str | Path):
 
 
 def write_json(path: str | Path, res) -> None:
-    """A results file as every script writes it (indent 1), its folder made if needed."""
+    """A results file as every script writes it (indent 1), its folder made if needed;
+    gzipped where the name ends in .gz."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1))
+    text = json.dumps(res, indent=1)
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
 
 
 def pyplot():
