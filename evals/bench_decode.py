@@ -318,7 +318,7 @@ def bench_shape(args, device, batch: int, ctx: int, variant: dict, have_fa3: boo
     p = Problem.of(args, batch, ctx, device)
     row = {"ctx": ctx, "batch": batch, "heads": args.label, "window": args.window,
            "sinks": args.sinks,
-           "splits": choose_num_splits(batch, args.hkv, ctx, device, args.d,
+           "splits": choose_num_splits(batch, args.hkv, max(ctx, SPLIT_LEN), device, args.d,
                                        variant.get("split_rule", DEFAULT_SPLIT_RULE),
                                        variant.get("launches"))}
     cache = p.nvfp4_cache()
@@ -664,8 +664,8 @@ def main():
                     help="--split-sweep, --ab: these shapes instead of their own, e.g. "
                     "8x32768")
     ap.add_argument("--split-len", type=int, default=0, metavar="TOKENS",
-                    help="--ab: size our split counts for at least this many tokens (the "
-                    "backend sizes them for max_model_len), e.g. 131072 with short --shapes")
+                    help="size our split counts for at least this many tokens (the backend "
+                    "sizes them for max_model_len), e.g. 131072 with short --shapes")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter at toy sizes")
     ap.add_argument("--table", metavar="JSON", help="print a results file as a markdown table")
     ap.add_argument("--join", nargs="+", metavar="JSON",

@@ -52,6 +52,15 @@ def compile_hopper_decode(d: int, qpk: int = 4, kv_heads: int = 8, launches: dic
                           90, 4, 4 if bt_ahead else 2, launch.maxnreg)
 
 
+def compile_reduce(d: int, num_splits: int, hq: int = 16, arch: int = 90):
+    """The split-KV reduction as decode_attention launches it after a decode of num_splits
+    splits at head size d (sinks on), compiled for sm_<arch>."""
+    from . import decode
+    fn, sig, _, warps = specs()["reduce"]
+    return compile_kernel(fn, sig, decode.reduce_constexprs(hq, d, num_splits, True), arch,
+                          warps)
+
+
 # load pipeline depth of the specs that are built for a deeper one (others: 2)
 STAGES = {"decode": 4, "decode-smem-k-bt-ahead": 3, "decode-d64": 4, "decode-d256": 4}
 
@@ -70,6 +79,8 @@ def specs() -> dict:
                      rot_on_ptr="*i32", T="i32", stride_kt="i32", stride_kh="i32", stride_vt="i32",
                      stride_vh="i32", page_stride="i64", rot_c="fp32")
 
+    reduce_sig = dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32",
+                      out_ptr="*bf16", stride_ot="i32", stride_oh="i32", num_splits="i32")
     put_sig = dict(x_ptr="*bf16", rows_ptr="*i64", out_ptr="*bf16", sub_ptr="*bf16",
                    mul_ptr="*bf16", rot_on_ptr="*i32", div_ptr="*fp32", T="i32", big="fp32",
                    rot_c="fp32", stride_xt="i32", stride_xh="i32", stride_ot="i32",
@@ -127,10 +138,13 @@ def specs() -> dict:
         # the launcher's default off Hopper (decode.has_wgmma): K through shared memory
         "decode-smem-k": (decode._decode_kernel, decode_sig,
                           decode_constexprs(features=True, mma_k=False), 4),
-        "reduce": (decode._reduce_kernel,
-                   dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", sinks_ptr="*fp32",
-                        out_ptr="*bf16", stride_ot="i32", stride_oh="i32", num_splits="i32"),
-                   dict(HQ=32, D=128, D_PAD=128, S_PAD=64, HAS_SINKS=True), 4),
+        # the split-KV reduction up to 64 splits, and past them (decode.max_splits) at the
+        # largest head size (compile_reduce: every head size and cap)
+        "reduce": (decode._reduce_kernel, reduce_sig,
+                   decode.reduce_constexprs(32, 128, decode.MAX_SPLITS, True), 4),
+        "reduce-d256-s128": (decode._reduce_kernel, reduce_sig,
+                             decode.reduce_constexprs(16, 256, decode.SMALL_GRID_MAX_SPLITS,
+                                                      True), 4),
         "calibrate": (global_scale._calibrate_kernel,
                       dict(key_ptr="*bf16", value_ptr="*bf16", slot_ptr="*i64",
                            k_scale_ptr="*fp32", v_scale_ptr="*fp32", flag_ptr="*i32", T="i32",

@@ -204,7 +204,11 @@ def _load_q(q_rows, dd, mask):
 @triton.jit
 def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh,
                    num_splits, HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                   S_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):
+                   S_PAD: tl.constexpr, S_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """out[b, h] = the LSE-weighted sum of the num_splits partials of (b, h) (S_PAD >=
+    num_splits). The [S_CHUNK, D] partials are summed a chunk at a time: 128 splits at D =
+    256 hold no more in registers than 64 (all [128, 256] at once spill; S_CHUNK = 64: one
+    chunk, the same arithmetic as in one piece, where there are at most 64)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, S_PAD)
@@ -216,13 +220,19 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
         sink = tl.load(sinks_ptr + h) * LOG2E
         m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
-    denom = tl.sum(w, axis=0)
+    denom = tl.sum(tl.exp2(lse - m_safe), axis=0)
     if HAS_SINKS:
         denom += tl.exp2(sink - m_safe)
-    parts = tl.load(part_out_ptr + (prow + sp)[:, None] * D + d[None, :],
-                    mask=(sp < num_splits)[:, None] & (d < D)[None, :], other=0.0)
-    o = tl.sum(parts * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    o = tl.zeros([D_PAD], tl.float32)
+    for s0 in range(0, num_splits, S_CHUNK):
+        sc = s0 + tl.arange(0, S_CHUNK)
+        live = sc < num_splits
+        w = tl.exp2(tl.load(part_lse_ptr + prow + sc, mask=live, other=float("-inf")) - m_safe)
+        # splits of weight 0 (past a short sequence's end: their partials are 0) not read
+        parts = tl.load(part_out_ptr + (prow + sc)[:, None] * D + d[None, :],
+                        mask=(live & (w > 0))[:, None] & (d < D)[None, :], other=0.0)
+        o += tl.sum(parts * w[:, None], axis=0)
+    o = o / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
              mask=d < D)
 
@@ -231,14 +241,11 @@ def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, st
 class HopperLaunch:
     """The Hopper launch at one head size: tokens per tile, the programs of its sm_90 build
     (4 warps, 4 load stages, K and V^T decoded into the wgmma operands) that fit one SM
-    (tests/test_compile.py checks them against the compiler), the register cap that makes
-    them fit (ptxas's maxnreg; None: none, the build needs no spill either way), and the most
-    splits per sequence and KV head (clamp_splits; the reduction holds them all in registers:
-    64 at D = 256 without a spill, 128 spill there)."""
+    (tests/test_compile.py checks them against the compiler), and the register cap that makes
+    them fit (ptxas's maxnreg; None: none, the build needs no spill either way)."""
     block_n: int
     programs_per_sm: int
     maxnreg: int | None = None
-    max_splits: int = 64
 
 
 # Launch variants, A/B'd by evals/bench_decode.py --ab and chosen in the backend by
@@ -264,14 +271,14 @@ DECODE_VARIANTS = {
     # backend's metadata builder keeps the default's): D = 64 capped at 96 registers (5
     # programs per SM, 0.31 warp-instructions per KV byte against 0.30), in 64-token tiles
     # (6 per SM, 0.38) or 256 (2 per SM, 0.26); D = 256 without the register cap (179
-    # registers, 2 per SM); up to 128 splits where one wave wants more than 64 (batch x KV
-    # heads < 6 at D = 256, < 9 at D = 64: the default leaves SMs idle there)
+    # registers, 2 per SM)
     "d64_r96": dict(launches={64: HopperLaunch(128, 5, 96)}),
     "d64_bn64": dict(launches={64: HopperLaunch(64, 6)}),
     "d64_bn256": dict(launches={64: HopperLaunch(256, 2)}),
     "d256_uncapped": dict(launches={256: HopperLaunch(64, 2)}),
-    "s128": dict(launches={64: HopperLaunch(128, 4, max_splits=128),
-                           256: HopperLaunch(64, 3, 168, max_splits=128)}),
+    # the split cap before small grids took up to 128 splits (max_splits): 64 at every grid
+    # (a split rule: the backend's metadata builder follows it too)
+    "cap64": dict(split_rule="waves_cap64"),
 }
 
 
@@ -313,8 +320,30 @@ HOPPER_LAUNCHES = {64: HopperLaunch(128, 4), 128: HopperLaunch(128, 3),
                    256: HopperLaunch(64, 3, 168)}
 HOPPER_PROGRAMS_PER_SM = HOPPER_LAUNCHES[128].programs_per_sm
 # how the split-KV count and tile size are chosen where the caller gives none: "waves" (one
-# wave of programs on Hopper, since 2026-12-06) or "per_sm8" (before; DECODE_VARIANTS)
+# wave of programs on Hopper, since 2026-12-06), "waves_cap64" (the same, at most 64 splits
+# at every grid: max_splits) or "per_sm8" (before; DECODE_VARIANTS)
 DEFAULT_SPLIT_RULE = "waves"
+WAVE_RULES = ("waves", "waves_cap64")
+
+# The most split-KV splits per sequence and KV head (clamp_splits, max_splits). 64 keep
+# the partials small and fill one wave of resident programs on Hopper wherever batch x KV
+# heads >= 7 at D = 128. A grid of at most 3 (D = 128, 256; 4 at D = 64, on 132 SMs: batch
+# 1 of a model with few KV heads) would fill at most half of that wave with 64 splits: the
+# idle SMs add no bandwidth, and the step takes one split's serial pass over 1/64 of the
+# tokens. There up to 128 splits: on an H200, 128 decoded 1.1-1.7x faster than 64 at batch
+# 1 with 1-3 KV heads (D = 64 and 256, 32K-128K tokens), while 99 instead of 64 at 4 x 1
+# KV heads (D = 256, 64 already filling 65% of the wave) were no faster. Past 64 splits
+# the reduction sums the partials in chunks (_reduce_kernel: 128 x 256 at once spill).
+MAX_SPLITS = 64
+SMALL_GRID_MAX_SPLITS = 128
+
+
+def max_splits(programs: int, wave: int, rule: str = DEFAULT_SPLIT_RULE) -> int:
+    """The split cap of a grid of `programs` (batch x KV heads) where one wave holds `wave`
+    programs (0 where no one-wave launch applies): SMALL_GRID_MAX_SPLITS under rule "waves"
+    where MAX_SPLITS per program fill at most half the wave, else MAX_SPLITS."""
+    small = rule == "waves" and 2 * MAX_SPLITS * programs <= wave
+    return SMALL_GRID_MAX_SPLITS if small else MAX_SPLITS
 
 
 def hopper_launch(head_dim: int, launches: dict | None = None) -> HopperLaunch | None:
@@ -325,14 +354,15 @@ def hopper_launch(head_dim: int, launches: dict | None = None) -> HopperLaunch |
 
 def _wave_launch(device: torch.device, head_dim: int, rule: str,
                  launches: dict | None = None) -> HopperLaunch | None:
-    """The launch of the one-wave rule where it applies: rule "waves", Hopper's kernel at
-    the head sizes of HOPPER_LAUNCHES (the interpreter follows it, as has_wgmma)."""
-    if rule == "waves" and has_wgmma(device):
+    """The launch of the one-wave rule where it applies: rules "waves" and "waves_cap64",
+    Hopper's kernel at the head sizes of HOPPER_LAUNCHES (the interpreter follows it, as
+    has_wgmma)."""
+    if rule in WAVE_RULES and has_wgmma(device):
         return hopper_launch(head_dim, launches)
     return None
 
 
-def clamp_splits(want: int, max_seq_len: int, cap: int = 64) -> int:
+def clamp_splits(want: int, max_seq_len: int, cap: int = MAX_SPLITS) -> int:
     """A split count kept in [1, cap] and to at least 256 tokens per split."""
     return max(1, min(cap, want, math.ceil(max_seq_len / 256)))
 
@@ -341,23 +371,25 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
                       head_dim: int = 128, rule: str = DEFAULT_SPLIT_RULE,
                       launches: dict | None = None) -> int:
     """Split-KV count from the batch shape only (so a CUDA graph captured for a batch size
-    stays valid for any sequence length), at least 256 tokens per split, at most 64 (a
-    launch's max_splits). On Hopper at D = 64, 128, 256, where one wave of resident programs (HOPPER_LAUNCHES: 3 or
-    4 per SM) gives each KV head of the batch 4 or more splits (batch x KV heads <= 99 on 132
-    SMs at 3): as many as fill that one wave. A grid of 1.05-1.5 waves ran up to 1.3x slower
+    stays valid for any sequence length), at least 256 tokens per split, at most
+    max_splits' cap (64; 128 where 64 fill at most half of one wave). On Hopper at D = 64,
+    128, 256, where one wave of resident programs (HOPPER_LAUNCHES: 3 or 4 per SM) gives
+    each KV head of the batch 4 or more splits (batch x KV heads <= 99 on 132 SMs at 3): as
+    many as fill that one wave. A grid of 1.05-1.5 waves ran up to 1.3x slower
     than one whole wave, and the rule below gave 1.3-2.7 waves at batch 1-8 (H100 split
     sweeps at D = 128, 2026-12-06, evals/RESULTS.md). Larger batches, where one wave would
     leave each head 1-3 long splits (1-8% slower than more waves), head sizes without a wgmma
     decoder (80, 96) and other GPUs (untimed), and rule "per_sm8" (the rule everywhere before
     2026-12-06; DECODE_VARIANTS): about 8 programs per SM (the H200 sweep of an older kernel,
     2026-12-04).
-    launches: replacements of HOPPER_LAUNCHES (hopper_launch; also their split cap)."""
+    launches: replacements of HOPPER_LAUNCHES (hopper_launch)."""
     programs = max(1, batch * num_kv_heads)
     sms = _num_sms(device)
     launch = _wave_launch(device, head_dim, rule, launches)
-    one_wave = launch.programs_per_sm * sms // programs if launch else 0
+    wave = launch.programs_per_sm * sms if launch else 0
+    one_wave = wave // programs
     want = one_wave if one_wave >= 4 else math.ceil(8 * sms / programs)
-    return clamp_splits(want, max_seq_len, launch.max_splits if launch else 64)
+    return clamp_splits(want, max_seq_len, max_splits(programs, wave, rule))
 
 
 def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,
@@ -441,8 +473,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     launch = hopper_launch(d, launches)
     maxnreg = launch.maxnreg if launch and mma_v and block_n == launch.block_n else None
     k_scale, v_scale = device_scalar(k_scale, dev), device_scalar(v_scale, dev)
-    # the split count is a runtime argument (S_PAD covers up to 64): an eager mixed batch
-    # with any number of decodes reuses the compiled kernels instead of compiling new ones
+    # the split count is a runtime argument (the reduction's S_PAD: 64, 128 past 64 splits):
+    # an eager mixed batch with any number of decodes reuses the compiled kernels instead of
+    # compiling new ones
     if num_splits > 1:
         part_out = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=dev)
         part_lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=dev)
@@ -465,7 +498,14 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](
             part_out, part_lse, sinks_arg, out, out.stride(0), out.stride(1), num_splits,
-            HQ=hq, D=d, D_PAD=triton.next_power_of_2(d),
-            S_PAD=max(64, triton.next_power_of_2(num_splits)), HAS_SINKS=sinks is not None,
-            num_warps=4)
+            **reduce_constexprs(hq, d, num_splits, sinks is not None), num_warps=4)
     return out
+
+
+def reduce_constexprs(hq: int, d: int, num_splits: int, has_sinks: bool) -> dict:
+    """_reduce_kernel's constexprs for num_splits partials per sequence and query head of
+    hq heads of size d: S_PAD covers them (at least 64, so one build serves every count up
+    to 64), summed MAX_SPLITS at a time (S_CHUNK)."""
+    return dict(HQ=hq, D=d, D_PAD=triton.next_power_of_2(d),
+                S_PAD=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), S_CHUNK=MAX_SPLITS,
+                HAS_SINKS=has_sinks)

@@ -60,6 +60,15 @@ def _hopper_launches() -> dict:
     return out
 
 
+def _reduces() -> dict:
+    """Per head size of decode.HOPPER_LAUNCHES and split cap (decode.max_splits: 64, and 128
+    at small grids), the sm_90 build of the split-KV reduction: registers, spill stack."""
+    from vllm_nvfp4kv.kernels import aot
+    from vllm_nvfp4kv.kernels.decode import HOPPER_LAUNCHES, MAX_SPLITS, SMALL_GRID_MAX_SPLITS
+    return {f"{d}/{s}": aot.resources(aot.compile_reduce(d, s), 90)
+            for d in HOPPER_LAUNCHES for s in (MAX_SPLITS, SMALL_GRID_MAX_SPLITS)}
+
+
 def test_kernels_compile_for_sm80_sm89_sm90():
     from vllm_nvfp4kv.kernels.decode import HOPPER_LAUNCHES
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -74,7 +83,13 @@ def test_kernels_compile_for_sm80_sm89_sm90():
         assert got["programs_per_sm"] == launch.programs_per_sm, (d, got)
         assert got["stack"] == 0, (d, got)  # no spills, also under the register cap
         assert len(got["register_operands"]) == 2 and all(got["register_operands"]), (d, got)
+    # the reduction after a decode of up to 128 splits: partials summed in chunks, no spill
+    # (all 128 x 256 at once spill at D = 256)
+    assert len(out["reduces"]) == 6
+    for key, got in out["reduces"].items():
+        assert got["stack"] == 0, (key, got)
 
 
 if __name__ == "__main__":
-    print(json.dumps({"failures": _compile_all(), "hopper_launches": _hopper_launches()}))
+    print(json.dumps({"failures": _compile_all(), "hopper_launches": _hopper_launches(),
+                      "reduces": _reduces()}))

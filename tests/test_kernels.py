@@ -847,11 +847,11 @@ def test_decode_mma_head_dims(device, monkeypatch, d, qpk, hkv, n, seq_lens, spl
 
 
 @pytest.mark.parametrize("variant", ["d64_r96", "d64_bn64", "d64_bn256", "d256_uncapped",
-                                     "s128"])
-def test_decode_head_dim_variants(device, monkeypatch, variant):
+                                     "cap64"])
+def test_decode_head_dim_variants(device, variant):
     """The DECODE_VARIANTS launches at D = 64 and 256 (tile, register cap, split count from
-    their programs per SM) against the reference; s128: more than 64 splits where one wave of
-    132 SMs wants them (the reduction over 128), its clamp at 128."""
+    their programs per SM), and the split cap of 64 at every grid (cap64), against the
+    reference."""
     from vllm_nvfp4kv.kernels import decode as dec
     kw = dec.DECODE_VARIANTS[variant]
     d = 64 if variant.startswith("d64") else 256
@@ -859,17 +859,86 @@ def test_decode_head_dim_variants(device, monkeypatch, variant):
     cache, table, q, sl = _decode_case(device, d, 16, 1, 4, seq_lens, seed=5)
     ref = _ref_decode(q, cache, table, sl, 0.1, 1.0, 1.0)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    splits = {}
-    if variant == "s128":
-        monkeypatch.setattr(dec, "_num_sms", lambda _dev: 132)
-        for dd in (64, 256):
-            dev = torch.device(device)
-            assert dec.choose_num_splits(1, 1, 1 << 20, dev, dd, launches=kw["launches"]) == 128
-            assert dec.choose_num_splits(1, 1, 1 << 20, dev, dd) == 64
-        splits = dict(num_splits=100)  # the reduction over 128 (most of them empty here)
-    K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, max_seq_len=max(seq_lens),
-                       **splits, **kw)
+    K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, max_seq_len=max(seq_lens), **kw)
     _check_decode(out, ref, seq_lens)
+
+
+def _spy_splits(monkeypatch, dec) -> list:
+    """The split count (grid's third axis) of every decode launch from now on."""
+    seen, kernel = [], dec._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            seen.append(grid[2])
+            return kernel[grid]
+
+    monkeypatch.setattr(dec, "_decode_kernel", Spy())
+    return seen
+
+
+def test_decode_small_grid_default_128_splits(device, monkeypatch):
+    """Batch 1 with one KV head on 132 SMs (D = 64): the launcher's own choice is 128 splits
+    (max_splits), 64 under rule "waves_cap64" (the cap64 variant), and both match the
+    reference. 300 tokens in 128-token tiles: 3 splits hold tokens, the rest (the
+    reduction's whole second chunk of 64 partials) have weight 0."""
+    from vllm_nvfp4kv.kernels import decode as dec
+    monkeypatch.setattr(dec, "_num_sms", lambda _dev: 132)
+    seen = _spy_splits(monkeypatch, dec)
+    seq_lens = [300]
+    cache, table, q, sl = _decode_case(device, 64, 16, 1, 4, seq_lens, seed=11)
+    ref = _ref_decode(q, cache, table, sl, 0.1, 1.0, 1.0)
+    for kw, want in (({}, 128), (dec.DECODE_VARIANTS["cap64"], 64)):
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+        K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, max_seq_len=1 << 20, **kw)
+        assert seen[-1] == want
+        _check_decode(out, ref, seq_lens)
+
+
+def test_decode_splits_past_64(device):
+    """72 splits (S_PAD 128, two chunks of 64 partials in the reduction, the second part
+    masked) of 32-token tiles, with sinks: 2304 tokens fill all 72, so the second chunk
+    holds 8 live partials; an empty sequence none (its output: 0, the sink's weight)."""
+    seq_lens = [2304, 0]
+    cache, table, q, sl = _decode_case(device, 64, 16, 1, 2, seq_lens, seed=12)
+    sinks = torch.tensor([0.5, -1.0], device=device)
+    ref = _ref_decode(q, cache, table, sl, 0.1, 1.0, 1.0, sinks=sinks)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, sinks=sinks, num_splits=72,
+                       block_n=32)
+    _check_decode(out, ref, seq_lens)
+
+
+@pytest.mark.parametrize("num_splits,d,sinks", [(64, 256, True), (72, 64, False),
+                                                 (128, 256, True), (128, 128, False)])
+def test_decode_reduce_in_chunks(device, num_splits, d, sinks):
+    """The split-KV reduction (decode._reduce_kernel, chunks of 64 partials) against the LSE
+    merge in torch: random partials and LSEs (log2 units), some splits empty (LSE -inf, a
+    NaN partial that must not be read), one (sequence, head) with every split empty, sinks.
+    """
+    from vllm_nvfp4kv.kernels import decode as dec
+    gen = _gen(num_splits + d)
+    b, hq = 2, 3
+    parts = torch.randn(b, hq, num_splits, d, generator=gen)
+    lse = torch.randn(b, hq, num_splits, generator=gen) * 4
+    lse[torch.rand(b, hq, num_splits, generator=gen) < 0.3] = float("-inf")
+    lse[1, 2] = float("-inf")
+    parts[lse == float("-inf")] = math.nan
+    sink = torch.randn(hq, generator=gen) if sinks else None
+    m = lse.amax(-1)
+    if sinks:
+        m = torch.maximum(m, sink * math.log2(math.e))
+    m = torch.where(m == float("-inf"), 0.0, m)
+    w = torch.exp2(lse - m[..., None])
+    denom = w.sum(-1) + (torch.exp2(sink * math.log2(math.e) - m) if sinks else 0)
+    want = torch.einsum("bhs,bhsd->bhd", w, parts.nan_to_num())
+    want = want / denom.clamp_min(1e-30)[..., None]
+    out = torch.full((b, hq + 1, d), math.nan, device=device)[:, :hq]  # strided rows
+    sinks_t = (sink if sinks else torch.zeros(1)).to(device)
+    dec._reduce_kernel[(b, hq)](parts.to(device), lse.to(device), sinks_t, out, out.stride(0),
+                                out.stride(1), num_splits,
+                                **dec.reduce_constexprs(hq, d, num_splits, sinks), num_warps=4)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)
+    assert (out[1, 2] == 0).all()
 
 
 def test_decode_defaults_per_gpu_generation(device, monkeypatch):
@@ -977,7 +1046,7 @@ def test_write_then_decode_end_to_end(device):
     _check_decode(out, _ref_decode(q, cache, table, sl, d ** -0.5, 0.5, 0.25), seq_lens)
 
 
-def test_choose_num_splits():
+def test_choose_num_splits(monkeypatch):
     dev = torch.device("cpu")
     for batch, heads, max_len in ((1, 1, 10), (1, 8, 100000), (64, 8, 4096), (2, 1, 300)):
         s = K.choose_num_splits(batch, heads, max_len, dev)
@@ -1013,6 +1082,26 @@ def test_choose_num_splits():
     # the older rule by name (NVFP4KV_DECODE_VARIANT=per_sm8)
     assert K.choose_num_splits(1, 2, 10 ** 6, dev, rule="per_sm8") == math.ceil(8 * sms / 2)
     assert choose_block_n(32, dev, rule="per_sm8") == 64
+    # 132 SMs (H100 SXM, H200): grids that 64 splits fill at most half a wave of take up to
+    # 128 (max_splits): batch x KV heads <= 3 at D = 128 and 256, <= 4 at D = 64. Every other
+    # grid, and every tile, as under the cap of 64 everywhere (rule "waves_cap64", the cap64
+    # variant); at least 256 tokens per split still
+    from vllm_nvfp4kv.kernels import decode as dec
+    monkeypatch.setattr(dec, "_num_sms", lambda _dev: 132)
+    for d, launch in HOPPER_LAUNCHES.items():
+        wave = launch.programs_per_sm * 132
+        small = []
+        for programs in range(1, 100):
+            for batch, heads in ((programs, 1), (1, programs)):
+                new, old = (K.choose_num_splits(batch, heads, 10 ** 6, dev, d, rule=r)
+                            for r in ("waves", "waves_cap64"))
+                assert old == min(64, wave // programs)
+                assert new == (min(128, wave // programs) if 128 * programs <= wave else old)
+                assert choose_block_n(new, dev, d) == choose_block_n(old, dev, d, "waves_cap64")
+            small += [programs] if new > 64 else []
+        assert small == list(range(1, 5 if d == 64 else 4)), (d, small)
+        assert K.choose_num_splits(1, 1, 20000, dev, d) == 79  # ceil(20000 / 256)
+        assert K.choose_num_splits(1, 1, 10 ** 6, dev, d, rule="per_sm8") == 64
 
 
 @pytest.mark.parametrize("d,dtype,sub,rot,bt", [
