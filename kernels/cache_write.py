@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .codec import (e2m1_code_of, e2m1_pack_v_token, e2m1_pack_words, e2m1_round, e4m3_decode,
                     e4m3_encode, round_to, v_slot, v_token_bytes)
-from .format import BLOCK_SCALE_RULES, GROUP_SIZE, PageLayout
+from .format import BLOCK_SCALE_RULES, DEFAULT_BLOCK_SCALES, GROUP_SIZE, PageLayout
 from .format import E4M3_MAX_CODE as _E4M3_MAX_CODE
 from .rotation import fwht, hadamard_entry
 
@@ -192,7 +192,8 @@ def device_scalar(x, device) -> torch.Tensor:
 
 
 def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor, k_scale, v_scale, block_scales: str = "amax6",
+                slot_mapping: torch.Tensor, k_scale, v_scale,
+                block_scales: str = DEFAULT_BLOCK_SCALES,
                 k_sub: torch.Tensor | None = None,
                 rotate_k: bool | torch.Tensor = False,
                 tokens_per_program: int | None = None) -> None:

@@ -45,8 +45,8 @@ scale ``g`` (vLLM's ``k_scale`` / ``v_scale``; 1.0 when the checkpoint has none)
     q     = e2m1(x * r)                   round-to-nearest-even on {0,.5,1,1.5,2,3,4,6}, saturating
     value = e2m1_value(q) * float(s) * g  (decoding)
 
-The writer chooses each block's scale byte by one of three rules (BLOCK_SCALE_RULES,
-NVFP4KV_BLOCK_SCALES); the decoding and the stored format are the same for all three:
+The writer chooses each block's scale byte by one of three rules (BLOCK_SCALE_RULES; the
+option block_scales); the decoding and the stored format are the same for all three:
 
   * ``amax6``: s as above;
   * ``4over6``: also ``s4 = e4m3(amax / 4 / g)`` (a finer grid near amax), kept where its
@@ -76,7 +76,9 @@ E4M3_MAX = 448.0
 E4M3_MAX_CODE = 0x7E  # its byte (0x7F is NaN)
 GROUP_SIZE = 16  # values per E4M3 block scale
 BLOCK_SCALE_RULES = ("amax6", "4over6", "search")  # how the writer picks a block's scale
-DEFAULT_BLOCK_SCALES = "search"  # NVFP4KV_BLOCK_SCALES unset (evals/RESULTS.md: its KL)
+# the rule where none is given: the writers' and references' default, and the plugin's
+# (evals/RESULTS.md: its KL)
+DEFAULT_BLOCK_SCALES = "search"
 # The bits of a data word (see above): rotating it right by *_PAIR_ROTATION[k] puts pair k's
 # magnitudes at bits 9..11 / 25..27; by *_SIGN_ROTATION[k], its signs at bits 15 / 31.
 WORD_PAIR_ROTATION = (0, 3, 6, 9)      # K words

@@ -9,9 +9,10 @@ import math
 
 import torch
 
-from .format import (BLOCK_SCALE_RULES, E2M1_MAX, E2M1_THRESHOLDS, E2M1_VALUES, E4M3_MAX,
-                     E4M3_MAX_CODE, GROUP_SIZE, VWORD_MAG_BITS, VWORD_SIGN_BITS,
-                     WORD_MAG_BITS, WORD_SIGN_BITS, PageLayout, v_slot, v_token_bytes)
+from .format import (BLOCK_SCALE_RULES, DEFAULT_BLOCK_SCALES, E2M1_MAX, E2M1_THRESHOLDS,
+                     E2M1_VALUES, E4M3_MAX, E4M3_MAX_CODE, GROUP_SIZE, VWORD_MAG_BITS,
+                     VWORD_SIGN_BITS, WORD_MAG_BITS, WORD_SIGN_BITS, PageLayout, v_slot,
+                     v_token_bytes)
 
 
 # ---------------------------------------------------------------- scalar formats
@@ -74,7 +75,7 @@ def _encode_with(xb: torch.Tensor, s: torch.Tensor, g: torch.Tensor):
 
 
 def quantize_codes(x: torch.Tensor, global_scale: float | torch.Tensor,
-                   block_scales: str = "amax6"):
+                   block_scales: str = DEFAULT_BLOCK_SCALES):
     """x [..., D] -> (4-bit codes [..., D] uint8, scales [..., D/16] uint8).
 
     block_scales: how each block's scale byte is chosen (format.py): amax6, 4over6 (amax -> 6
@@ -98,7 +99,8 @@ def quantize_codes(x: torch.Tensor, global_scale: float | torch.Tensor,
     return code.flatten(-2), s.squeeze(-1)
 
 
-def quantize(x: torch.Tensor, global_scale: float | torch.Tensor, block_scales: str = "amax6"):
+def quantize(x: torch.Tensor, global_scale: float | torch.Tensor,
+             block_scales: str = DEFAULT_BLOCK_SCALES):
     """x [..., D] -> (K data [..., D/2] uint8 (K word layout), scales [..., D/16] uint8)."""
     code, s = quantize_codes(x, global_scale, block_scales)
     return pack_codes(code), s
@@ -207,7 +209,7 @@ def page_views(kv_cache: torch.Tensor, head_dim: int):
 
 def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 slot_mapping: torch.Tensor, k_scale: float | torch.Tensor,
-                v_scale: float | torch.Tensor, block_scales: str = "amax6") -> None:
+                v_scale: float | torch.Tensor, block_scales: str = DEFAULT_BLOCK_SCALES) -> None:
     """Quantize key/value [T, H, D] into the pages at slot_mapping [T]; slots < 0 are skipped.
     block_scales: format.BLOCK_SCALE_RULES."""
     n = kv_cache.shape[2]

@@ -81,7 +81,8 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
             hist_k[b] = torch.randn(ctx, H, D, device=device)
             hist_v[b] = torch.randn(ctx, H, D, device=device)
             reference.write_cache(cache, rot((hist_k[b] - mu) / s_k), rot(hist_v[b]),
-                                  slots(b, torch.arange(ctx, device=device)), k_scale, v_scale)
+                                  slots(b, torch.arange(ctx, device=device)), k_scale, v_scale,
+                                  "amax6")
     # this step
     t = sum(n for _, n in REQS)
     q = torch.randn(t, HQ, D, device=device, dtype=torch.bfloat16)

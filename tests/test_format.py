@@ -171,7 +171,7 @@ def test_e2m1_ties_through_quantize():
     rounding unchanged: one block holds 6, every threshold, its negation and 0."""
     ts = [t for t, _ in F.E2M1_THRESHOLDS]
     x = torch.tensor([6.0] + ts + [-t for t in ts] + [0.0])
-    data, s = R.quantize(x, 1.0)
+    data, s = R.quantize(x, 1.0, "amax6")
     assert s.tolist() == [brute_e4m3(1.0)]
     assert codes_of(data).tolist() == [brute_e2m1(v) for v in x.tolist()]
 
@@ -193,7 +193,7 @@ def test_quantize_error_bound(x, g):
     * scale byte 0 (underflow, amax < 6 * 2**-10 * g up to rounding): decodes to 0.
     Slack: x * (1/scale) is fp32, which can move a value across a rounding threshold by
     about 2**-23 relative."""
-    data, s = R.quantize(x, g)
+    data, s = R.quantize(x, g, "amax6")
     deq = R.dequantize(data, s, g).double()
     codes = codes_of(data)
     assert not (codes == 8).any(), "-0 code never written"
@@ -241,7 +241,7 @@ def test_block_scale_rules_lower_the_error():
 @given(n=st.integers(1, 4), g=g_scales, neg=st.lists(st.booleans(), min_size=64, max_size=64))
 def test_all_zero_blocks(n, g, neg):
     x = torch.tensor([-0.0 if b else 0.0 for b in neg[:n * 16]])
-    data, s = R.quantize(x, g)
+    data, s = R.quantize(x, g, "amax6")
     assert (s == 0).all() and (data == 0).all()
     deq = R.dequantize(data, s, g)
     assert (deq == 0).all() and not torch.signbit(deq).any()
@@ -254,7 +254,7 @@ def test_underflow_flushes_to_zero(frac, g):
     thr = UNDERFLOW * g
     x = torch.tensor([f * thr for f in frac], dtype=torch.float32)
     x = torch.where(x.double().abs() < thr, x, torch.zeros_like(x))
-    data, s = R.quantize(x, g)
+    data, s = R.quantize(x, g, "amax6")
     assert int(s[0]) == 0 and (data == 0).all()
     assert (R.dequantize(data, s, g) == 0).all()
 
@@ -273,7 +273,7 @@ def test_underflow_boundary(g):
         x = torch.zeros(16)
         x[3] = -amax
         x[7] = amax / 2
-        data, s = R.quantize(x, g)
+        data, s = R.quantize(x, g, "amax6")
         assert int(s[0]) == want
         assert ((data == 0).all()) == (want == 0)
 
@@ -288,7 +288,7 @@ def test_saturation(x, g, i, big):
     assume(math.isfinite(v) and v > SAT * g)
     x = x.clone()
     x[i] = -v if i % 2 else v
-    data, s = R.quantize(x, g)
+    data, s = R.quantize(x, g, "amax6")
     assert int(s[0]) == 0x7E
     deq = R.dequantize(data, s, g)
     lim = float(torch.tensor(SAT) * torch.tensor(g, dtype=torch.float32))
@@ -310,8 +310,8 @@ def test_infinities_saturate(x, g, sign):
     xi, xf = x.clone(), x.clone()
     xi[idx] = sg * math.inf
     xf[idx] = sg * FP32_MAX
-    di, si = R.quantize(xi, g)
-    df, sf = R.quantize(xf, g)
+    di, si = R.quantize(xi, g, "amax6")
+    df, sf = R.quantize(xf, g, "amax6")
     assert torch.equal(di, df) and torch.equal(si, sf)
     assert (si[idx // 16] == 0x7E).all()
     deq = R.dequantize(di, si, g)
@@ -328,15 +328,15 @@ def test_nan_stored_as_zero_and_ignored_by_amax(x, g, nan_at):
     xn, xz = x.clone(), x.clone()
     xn[nan_at] = math.nan
     xz[nan_at] = 0.0
-    dn, sn = R.quantize(xn, g)
-    dz, sz = R.quantize(xz, g)
+    dn, sn = R.quantize(xn, g, "amax6")
+    dz, sz = R.quantize(xz, g, "amax6")
     assert torch.equal(dn, dz) and torch.equal(sn, sz)
     assert (codes_of(dn)[nan_at] == 0).all()
     assert torch.isfinite(R.dequantize(dn, sn, g)).all()
 
 
 def test_all_nan_block():
-    data, s = R.quantize(torch.full((16,), math.nan), 1.0)
+    data, s = R.quantize(torch.full((16,), math.nan), 1.0, "amax6")
     assert int(s[0]) == 0 and (data == 0).all()
 
 
@@ -344,11 +344,11 @@ def test_all_nan_block():
 @given(x=blocks(allow_nan=True), g=g_scales)
 def test_negative_zero_and_round_to_zero_stored_as_plus_zero(x, g):
     """Code 8 (-0) is never written: -0.0, tiny negatives and NaN all give code 0."""
-    data, s = R.quantize(x, g)
+    data, s = R.quantize(x, g, "amax6")
     codes = codes_of(data)
     assert not (codes == 8).any()
     assert (codes[torch.signbit(x) & (x == 0)] == 0).all()
-    data0, s0 = R.quantize(torch.where(x == 0, torch.zeros_like(x), x), g)
+    data0, s0 = R.quantize(torch.where(x == 0, torch.zeros_like(x), x), g, "amax6")
     assert torch.equal(data, data0) and torch.equal(s, s0)
 
 
@@ -356,8 +356,8 @@ def test_negative_zero_and_round_to_zero_stored_as_plus_zero(x, g):
 @given(x=blocks(allow_nan=True), g=g_scales)
 def test_sign_symmetry(x, g):
     """quantize(-x) has the same scales and flips exactly the sign bits of nonzero codes."""
-    d1, s1 = R.quantize(x, g)
-    d2, s2 = R.quantize(-x, g)
+    d1, s1 = R.quantize(x, g, "amax6")
+    d2, s2 = R.quantize(-x, g, "amax6")
     assert torch.equal(s1, s2)
     c1, c2 = codes_of(d1), codes_of(d2)
     want = torch.where((c1 & 7) != 0, c1 ^ 8, c1)
@@ -368,7 +368,7 @@ def test_sign_symmetry(x, g):
 @given(x=blocks(), g=g_scales, dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_low_precision_inputs_quantize_as_their_fp32_value(x, g, dtype):
     xl = x.to(dtype)
-    a, b = R.quantize(xl, g), R.quantize(xl.float(), g)
+    a, b = R.quantize(xl, g, "amax6"), R.quantize(xl.float(), g, "amax6")
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -378,7 +378,7 @@ def test_word_layout():
     word belongs to exactly one element. Written out by hand for three elements."""
     x = torch.zeros(32)
     x[0], x[3], x[16], x[13] = 6.0, -3.0, 1.0, -1.0
-    data, s = R.quantize(x, 1.0)
+    data, s = R.quantize(x, 1.0, "amax6")
     # element 0: code 7 (6.0) at bits 9..11; element 3: code 5 (3.0) at 28..30, sign at 23
     assert data[:4].tolist() == [0x00, 0x0E, 0x80, 0x50]
     # element 13 (word 1, e = 5): code 2 = 1.0 at bits 31, 0, 1 -> bit 0; sign at bit 5
@@ -473,11 +473,11 @@ def test_reference_write_cache_uses_the_documented_layout():
     before = cache.clone()
     key, val = torch.randn(2, h, d, generator=gen), torch.randn(2, h, d, generator=gen)
     slots = torch.tensor([21, -1])                  # page 1, token 5: V slot 9 (odd)
-    R.write_cache(cache, key, val, slots, 0.5, 3.0)
+    R.write_cache(cache, key, val, slots, 0.5, 3.0, "amax6")
     lay = F.PageLayout(n, h, d)
     page, before_page = cache[1].flatten(), before[1].flatten().clone()
-    kdata, ks = R.quantize(key[0], 0.5)
-    vcodes, vs = R.quantize_codes(val[0], 3.0)
+    kdata, ks = R.quantize(key[0], 0.5, "amax6")
+    vcodes, vs = R.quantize_codes(val[0], 3.0, "amax6")
     assert F.v_slot(5) == 9
     for hh in range(h):
         for side, data, s in ((0, kdata[hh], ks[hh]), (1, None, vs[hh])):

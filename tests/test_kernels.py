@@ -63,7 +63,7 @@ def ref_write(cache_ref, key, value, slots, k_scale, v_scale):
     by IEEE fp32 arithmetic, which torch's CPU ops follow, while on CUDA torch computes
     `x / 6.0` as `x * (1 / 6.0)` (see test_reference_quantize_is_device_independent)."""
     cpu = [t.cpu() if torch.is_tensor(t) else t for t in (key, value, slots, k_scale, v_scale)]
-    R.write_cache(cache_ref, *cpu)
+    R.write_cache(cache_ref, *cpu, "amax6")
 
 
 def assert_same_bytes(buf, buf_ref):
@@ -103,7 +103,7 @@ def fill_sequences(cache, seq_lens, n, gen, k_scale, v_scale, extra_cols=2, spre
             slots = (own[:, None] * n + torch.arange(n)).flatten()[:s].to(cache.device)
             key, value = (rand_kv(s, h, d, gen, device=cache.device, spread=spread)
                           for _ in range(2))
-            R.write_cache(cache, key, value, slots, k_scale, v_scale)
+            R.write_cache(cache, key, value, slots, k_scale, v_scale, "amax6")
     table = wide.to(cache.device)[:, :cols]
     assert table.stride(0) == cols + 3
     return table
@@ -231,7 +231,7 @@ def test_write_cache_matches_reference(device, d, n, h, dtype, layout, views, bt
     slots[5] = nb * n - 1  # last slot of the cache
     slots = slots.to(device)
     k_scale, v_scale = 0.37, torch.tensor([2.5], device=device)
-    K.write_cache(cache, key, value, slots, k_scale, v_scale, tokens_per_program=bt)
+    K.write_cache(cache, key, value, slots, k_scale, v_scale, "amax6", tokens_per_program=bt)
     ref_write(cache_ref, key[:t], value[:t], slots, k_scale, v_scale)
     assert_same_bytes(buf, buf_ref)
 
@@ -280,7 +280,7 @@ def test_write_cache_special_values(device, dtype):
     cache, cache_ref, buf, buf_ref = cache_pair(2, n, h, d, device, gen)
     slots = torch.arange(t, device=device)
     for g, bt in ((1.0, None), (0.03125, 8), (3.3, 4)):  # bt: tokens per writer program
-        K.write_cache(cache, key, value, slots, g, 1 / g, tokens_per_program=bt)
+        K.write_cache(cache, key, value, slots, g, 1 / g, "amax6", tokens_per_program=bt)
         ref_write(cache_ref, key, value, slots, g, 1 / g)
         assert_same_bytes(buf, buf_ref)
         _, ks, _, vs = R.page_views(cache, d)
@@ -312,7 +312,7 @@ def test_write_cache_scale_codes_exhaustive(device):
         x = (x * (targets * 6 * g)[:, None]).view(rows, 1, d).to(device)
         cache, cache_ref, buf, buf_ref = cache_pair(math.ceil(rows / n), n, h, d, device, gen)
         slots = torch.arange(rows, device=device)
-        K.write_cache(cache, x, -x, slots, g, g)
+        K.write_cache(cache, x, -x, slots, g, g, "amax6")
         ref_write(cache_ref, x, -x, slots, g, g)
         assert_same_bytes(buf, buf_ref)
 
@@ -328,8 +328,8 @@ def test_reference_quantize_is_device_independent(device):
     x = torch.zeros(t.numel(), 16)
     for g in (1.0, 0.7, 1 / 3):
         x[:, 3] = t * 6 * g
-        cpu = R.quantize(x, g)
-        dev = R.quantize(x.to(device), g)
+        cpu = R.quantize(x, g, "amax6")
+        dev = R.quantize(x.to(device), g, "amax6")
         assert torch.equal(dev[1].cpu(), cpu[1]), f"g={g}: {int((dev[1].cpu() != cpu[1]).sum())}"
         assert torch.equal(dev[0].cpu(), cpu[0])
 
@@ -340,8 +340,9 @@ def test_write_cache_no_valid_slots(device):
     cache, _, buf, _ = cache_pair(2, n, h, d, device, gen)
     before = buf.clone()
     key = rand_kv(3, h, d, gen, device=device)
-    K.write_cache(cache, key, key, torch.full((3,), -1, device=device), 1.0, 1.0)
-    K.write_cache(cache, key, key, torch.empty(0, dtype=torch.long, device=device), 1.0, 1.0)
+    K.write_cache(cache, key, key, torch.full((3,), -1, device=device), 1.0, 1.0, "amax6")
+    K.write_cache(cache, key, key, torch.empty(0, dtype=torch.long, device=device), 1.0, 1.0,
+                  "amax6")
     assert torch.equal(buf, before)
 
 
@@ -351,7 +352,7 @@ def test_write_cache_int32_slots(device):
     cache, cache_ref, buf, buf_ref = cache_pair(3, n, h, d, device, gen)
     key, value = (rand_kv(5, h, d, gen, torch.bfloat16, device) for _ in range(2))
     slots = torch.tensor([47, -1, 0, 16, 31], dtype=torch.int32, device=device)
-    K.write_cache(cache, key, value, slots, 1.0, 1.0)
+    K.write_cache(cache, key, value, slots, 1.0, 1.0, "amax6")
     ref_write(cache_ref, key, value, slots.long(), 1.0, 1.0)
     assert_same_bytes(buf, buf_ref)
 
@@ -375,7 +376,7 @@ def test_write_cache_random_configs(device, seed):
     slots[torch.rand(slots.shape, generator=gen) < 0.3] = -1
     slots = slots.to(device)
     k_scale, v_scale = rng.choice((1.0, 0.01, 3.7)), rng.choice((1.0, 0.2, 96.0))
-    K.write_cache(cache, key, value, slots, k_scale, v_scale,
+    K.write_cache(cache, key, value, slots, k_scale, v_scale, "amax6",
                   tokens_per_program=rng.choice((None, 2, 4)))
     ref_write(cache_ref, key, value, slots, k_scale, v_scale)
     assert_same_bytes(buf, buf_ref)
@@ -1036,7 +1037,7 @@ def test_write_then_decode_end_to_end(device):
     slots = torch.cat([(table[b, torch.arange(s, device=device) // n].long() * n
                         + torch.arange(s, device=device) % n) for b, s in enumerate(seq_lens)])
     key, value = (rand_kv(sum(seq_lens), hkv, d, gen, torch.bfloat16, device) for _ in range(2))
-    K.write_cache(cache, key, value, slots, 0.5, 0.25)
+    K.write_cache(cache, key, value, slots, 0.5, 0.25, "amax6")
     ref_write(cache_ref, key, value, slots, 0.5, 0.25)
     assert_same_bytes(buf, buf_ref)
     q = torch.randn(2, hkv * qpk, d, generator=gen).to(torch.bfloat16).to(device)
@@ -1173,11 +1174,11 @@ def _write_past_2_31(device: str) -> bool:
     ok = True
     for sub, rot in ((None, False), (mu, True)):
         cache = torch.zeros(kv_cache_shape(2, n, h, d), dtype=torch.uint8, device=device)
-        K.write_cache(cache, key, value, slots.to(device), 1.0, 1.0,
+        K.write_cache(cache, key, value, slots.to(device), 1.0, 1.0, "amax6",
                       k_sub=None if sub is None else sub.to(device), rotate_k=rot)
         k = key.cpu() - sub if sub is not None else key.cpu()
         want = torch.zeros_like(cache, device="cpu")
-        R.write_cache(want, rotate(k) if rot else k, value.cpu(), slots, 1.0, 1.0)
+        R.write_cache(want, rotate(k) if rot else k, value.cpu(), slots, 1.0, 1.0, "amax6")
         if sub is None:
             ok &= torch.equal(cache.cpu(), want)
             continue

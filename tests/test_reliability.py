@@ -403,7 +403,7 @@ def test_bad_numbers_do_not_leak(device):
         _kernel_oracle_write(ref, kk, vv, slots, 0.5, 2.0)
         if name == "bad":  # the Triton writer gives the same bytes
             tri = base.clone().to(device)
-            K.write_cache(tri, kk.to(device), vv.to(device), slots.to(device), 0.5, 2.0)
+            K.write_cache(tri, kk.to(device), vv.to(device), slots.to(device), 0.5, 2.0, "amax6")
             assert torch.equal(tri.cpu(), ref)
         caches[name] = ref
     allowed = _row_mask(nb, n, h, d, [(slots[t], hh) for t, hh in bad_rows])
@@ -416,7 +416,7 @@ def test_bad_numbers_do_not_leak(device):
         got = R.dequantize(kd[s // n, hh, s % n], ks[s // n, hh, s % n], 0.5)
         x = pk[t, hh]
         want = R.dequantize(*R.quantize(torch.nan_to_num(x, nan=0.0, posinf=3.4e38,
-                                                         neginf=-3.4e38), 0.5), 0.5)
+                                                         neginf=-3.4e38), 0.5, "amax6"), 0.5)
         assert torch.equal(got, want) and torch.isfinite(got).all()
         assert (got[torch.isnan(x)] == 0).all()
         assert (got[torch.isinf(x)].abs() == 2688 * 0.5).all()
@@ -499,10 +499,11 @@ def test_exact_byte_offsets_through_vllm_reshape(device):
         cache = vllm_cache_view(raw, spec, nb)
         assert cache.data_ptr() == raw.data_ptr() and cache.is_contiguous()
         if writer == "triton":
-            K.write_cache(cache, key.to(device), value.to(device), slot.to(device), 0.5, 2.0)
+            K.write_cache(cache, key.to(device), value.to(device), slot.to(device), 0.5, 2.0,
+                          "amax6")
         else:
             cpu = cache.cpu()
-            R.write_cache(cpu, key, value, slot, 0.5, 2.0)
+            R.write_cache(cpu, key, value, slot, 0.5, 2.0, "amax6")
             cache.copy_(cpu)
         got = raw.view(torch.uint8).cpu()
         nz = got.nonzero().flatten().tolist()
@@ -548,7 +549,7 @@ def test_padded_slots_never_touch_a_byte(device):
     before = garbage(F.kv_cache_shape(nb, n, h, d), gen)
     allowed = _row_mask(nb, n, h, d, [(int(s), hh) for s in slots[valid] for hh in range(h)])
     want = before.clone()
-    R.write_cache(want, key[valid], value[valid], slots[valid], 0.7, 1.1)
+    R.write_cache(want, key[valid], value[valid], slots[valid], 0.7, 1.1, "amax6")
 
     def check(after):
         changed = (after.cpu() != before).view(nb, -1)
@@ -556,10 +557,10 @@ def test_padded_slots_never_touch_a_byte(device):
         assert torch.equal(after.cpu(), want)
 
     tri = before.clone().to(device)
-    K.write_cache(tri, key.to(device), value.to(device), slots.to(device), 0.7, 1.1)
+    K.write_cache(tri, key.to(device), value.to(device), slots.to(device), 0.7, 1.1, "amax6")
     check(tri)
     ref = before.clone()
-    R.write_cache(ref, key, value, slots, 0.7, 1.1)
+    R.write_cache(ref, key, value, slots, 0.7, 1.1, "amax6")
     check(ref)
     if importlib_util_find("vllm"):
         impl = backend.NvFp4AttentionImpl(2 * h, d, d ** -0.5, h, None, None, "nvfp4")
@@ -627,7 +628,7 @@ def test_pages_past_sequence_end_cannot_change_outputs(device):
         if s:
             sl = slots_of(table[b], torch.arange(s), n)
             R.write_cache(base, torch.randn(s, h, d, generator=gen) * 3,
-                          torch.randn(s, h, d, generator=gen), sl, 0.8, 1.25)
+                          torch.randn(s, h, d, generator=gen), sl, 0.8, 1.25, "amax6")
             owned_rows += [(int(x), hh) for x in sl for hh in range(h)]
     owned = _row_mask(nb, n, h, d, owned_rows)
     q = torch.randn(4, h * qpk, d, generator=gen).to(torch.bfloat16)
@@ -749,7 +750,7 @@ def test_mixed_batch_no_cross_request_leakage(device, monkeypatch):
         if c:
             R.write_cache(base, torch.randn(c, h, d, generator=gen),
                           torch.randn(c, h, d, generator=gen),
-                          slots_of(table[b], torch.arange(c), n), 0.7, 1.3)
+                          slots_of(table[b], torch.arange(c), n), 0.7, 1.3, "amax6")
     t = sum(m for _, m in reqs)
     q = torch.randn(t, hq, d, generator=gen).to(torch.bfloat16)
     k = torch.randn(t, h, d, generator=gen).to(torch.bfloat16)
@@ -851,7 +852,7 @@ def test_kv_page_round_trip_through_host(device):
     for b, s in enumerate(seq_lens):  # the reference writer (the Triton one is tested above)
         R.write_cache(cache, torch.randn(s, h, d, generator=gen) * 2,
                       torch.randn(s, h, d, generator=gen),
-                      slots_of(table[b], torch.arange(s), n), 0.6, 1.7)
+                      slots_of(table[b], torch.arange(s), n), 0.6, 1.7, "amax6")
     cache = cache.to(device)
     q = torch.randn(3, h * qpk, d, generator=gen).to(torch.bfloat16)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
