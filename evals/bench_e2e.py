@@ -5,7 +5,7 @@ Also records the backend vLLM chose and the KV capacity in tokens.
 
     python -P -m evals.bench_e2e --out evals/results/e2e_h200.json --inputs 8192 32768
 
-Prefill workspace, BF16 vs FP8 (`NVFP4KV_WORKSPACE_DTYPE`): with a small token budget every
+Prefill workspace, BF16 vs FP8 (option `workspace_dtype`): with a small token budget every
 chunk after the first attends over the cached prefix through the workspace, so the prefill
 time of long prompts measures the gather + attention path of each workspace dtype:
 
@@ -37,39 +37,37 @@ def results_header(**fields) -> dict:
         layers=common.read_json(MODEL / "config.json")["num_hidden_layers"], **fields)
 
 
-# variant suffixes of nvfp4 -> the plugin's environment (read when the engine starts)
-OPTIONS = {"fp8ws": ("NVFP4KV_WORKSPACE_DTYPE", "fp8"),  # FP8 prefill workspace
-           "norot": ("NVFP4KV_ROTATE_K", "0"),           # no Hadamard rotation of K
-           "4o6": ("NVFP4KV_BLOCK_SCALES", "4over6"),    # 4-over-6 block scales, not search
-           "amax6": ("NVFP4KV_BLOCK_SCALES", "amax6"),   # plain amax/6 block scales
-           # the decode split count and tile size before 2026-12-06
-           "per_sm8": ("NVFP4KV_DECODE_VARIANT", "per_sm8")}
+# variant suffixes of nvfp4 -> the plugin's options (vllm_nvfp4kv.config.NvFp4KVConfig)
+OPTIONS = {"fp8ws": ("workspace_dtype", "fp8"),  # FP8 prefill workspace
+           "norot": ("rotate_k", "0"),           # no Hadamard rotation of K
+           "4o6": ("block_scales", "4over6"),    # 4-over-6 block scales, not search
+           "amax6": ("block_scales", "amax6"),   # plain amax/6 block scales
+           # the decode split count and tile size before 2026-12-06 (a benchmark-only knob)
+           "per_sm8": ("decode_variant", "per_sm8")}
 
 
-def apply_options(variant: str) -> str:
-    """variant: a kv_cache_dtype, or nvfp4 with options: "nvfp4+norot+amax6" (OPTIONS, set
-    in this process's environment, which the plugin reads when an engine builds its layers).
-    Returns the kv_cache_dtype."""
+def parse_variant(variant: str) -> tuple[str, dict]:
+    """variant: a kv_cache_dtype, or nvfp4 with options: "nvfp4+norot+amax6" (OPTIONS).
+    Returns (kv_cache_dtype, the options for additional_config["nvfp4kv"])."""
     kv_dtype, *opts = variant.split("+")
-    for opt in opts:
-        name, value = OPTIONS[opt]
-        os.environ[name] = value
-    return kv_dtype
+    return kv_dtype, dict(OPTIONS[opt] for opt in opts)
 
 
 def engine(variant: str, max_model_len: int, gpu_memory_utilization: float = 0.85, **extra):
     """vLLM in this process (dummy weights, MODEL) for a kv_cache_dtype, or nvfp4 with
-    options (apply_options)."""
+    options (parse_variant; given to the engine as additional_config)."""
     from vllm import LLM
+    kv_dtype, options = parse_variant(variant)
     return LLM(model=str(MODEL), load_format="dummy", skip_tokenizer_init=True,
-               dtype="bfloat16", kv_cache_dtype=apply_options(variant),
+               dtype="bfloat16", kv_cache_dtype=kv_dtype,
                max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-               enable_prefix_caching=False, seed=0, **extra)
+               enable_prefix_caching=False, seed=0,
+               additional_config={"nvfp4kv": options} if options else {}, **extra)
 
 
 def run(variant: str, inputs: list[int], n: int, out_tokens: int, gpu_util: float,
         max_batched: int | None = None) -> dict:
-    """variant: as apply_options."""
+    """variant: as parse_variant."""
     import torch
     from vllm import SamplingParams
     kv_dtype = variant.split("+")[0]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from evals import assets, common, fidelity
 
@@ -62,7 +61,6 @@ def study(model: str, texts: list[str], out: str) -> None:
     from vllm_nvfp4kv import calibration
     from vllm_nvfp4kv.kernels import reference
     from vllm_nvfp4kv.kernels.format import DEFAULT_BLOCK_SCALES
-    os.environ["NVFP4KV_CALIBRATE"] = "off"
     seen: list = []
     write = reference.write_cache
 
@@ -74,7 +72,8 @@ def study(model: str, texts: list[str], out: str) -> None:
     reference.write_cache = spy
     llm = LLM(model=model, kv_cache_dtype="nvfp4", max_model_len=1024, block_size=16,
               max_num_batched_tokens=32, max_num_seqs=8, enable_prefix_caching=False,
-              seed=0, kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+              seed=0, kv_cache_memory_bytes=256 << 20, enforce_eager=True,
+              additional_config={"nvfp4kv": {"calibrate": "off"}})
     tok = llm.get_tokenizer()
     llm.generate([{"prompt_token_ids": tok(t)["input_ids"][:1000]} for t in texts],
                  SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)

@@ -11,8 +11,8 @@ garbage text; a sound lossy cache as long common prefixes that drift apart later
         --out evals/results/decode_check_qwen_h200.json
 
 Dtype tokens: auto, fp8, nvfp4; `+eager` adds enforce_eager (no CUDA graphs, no compile);
-`+noscales` drops NVFP4KV_SCALES_FILE for that run (the file's scales and K centering off:
-the defaults, online K centering included).
+`+noscales` runs without the scales file (option scales_file unset over NVFP4KV_SCALES_FILE:
+the file's scales and K centering off, the defaults, online K centering included).
 """
 from __future__ import annotations
 
@@ -29,16 +29,17 @@ def questions(n: int) -> list[str]:
 
 def generate(model: str, token: str, prompts: list[str], max_tokens: int, on_gpu: bool) -> dict:
     dtype, *flags = token.split("+")
-    if "noscales" in flags:
-        os.environ.pop("NVFP4KV_SCALES_FILE", None)
+    scales_file = None if "noscales" in flags else os.environ.get("NVFP4KV_SCALES_FILE")
     from vllm import LLM, SamplingParams
     kw = dict(gpu_memory_utilization=0.4, enforce_eager="eager" in flags) if on_gpu else dict(
         kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+    if "noscales" in flags:
+        kw["additional_config"] = {"nvfp4kv": {"scales_file": None}}
     llm = LLM(model=model, kv_cache_dtype=dtype, max_model_len=2048, block_size=16, seed=0,
               **kw)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0),
                         use_tqdm=False)
-    return {"kv_dtype": token, "scales_file": os.environ.get("NVFP4KV_SCALES_FILE"),
+    return {"kv_dtype": token, "scales_file": scales_file,
             "token_ids": [list(o.outputs[0].token_ids) for o in outs],
             "texts": [o.outputs[0].text for o in outs]}
 

@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 
 from vllm_nvfp4kv import backend  # noqa: E402
 from vllm_nvfp4kv.backend import NvFp4AttentionImpl, NvFp4Metadata  # noqa: E402
+from vllm_nvfp4kv.config import NvFp4KVConfig  # noqa: E402
 from vllm_nvfp4kv.kernels import kv_cache_shape, reference  # noqa: E402
 from vllm_nvfp4kv.kernels.format import DEFAULT_BLOCK_SCALES  # noqa: E402
 from vllm_nvfp4kv.kernels.rotation import rotate  # noqa: E402
@@ -96,7 +97,8 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
                          {"NVFP4KV_WORKSPACE_DTYPE": "fp8" if fp8_workspace else "auto",
                           "NVFP4KV_ROTATE_K": "1" if rotated else "0",
                           "NVFP4KV_ROTATE_V": "1" if rotated else "0"}), \
-            mock.patch.object(backend, "k_transform", lambda layer, dev: _on(dev, center, smooth)):
+            mock.patch.object(backend, "k_transform",
+                              lambda layer, dev, cfg: _on(dev, center, smooth)):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, window, "nvfp4", softcap or None,
                                   sinks=sinks)
         impl.process_weights_after_loading(torch.bfloat16)
@@ -257,7 +259,8 @@ def _decode_error(k, v, q, center, smooth, center_k="0", rotate_k="0", warm_up=F
                             layer_name="l0")
     with mock.patch.dict("os.environ", {"NVFP4KV_ROTATE_K": rotate_k,
                                         "NVFP4KV_CENTER_K": center_k}), \
-            mock.patch.object(backend, "k_transform", lambda layer, dev: _on(dev, center, smooth)):
+            mock.patch.object(backend, "k_transform",
+                              lambda layer, dev, cfg: _on(dev, center, smooth)):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
         impl._model = model  # vLLM's model name (no engine config here)
         cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8)
@@ -412,7 +415,7 @@ def test_online_k_centering_only_where_needed():
     _, filed = _decode_error(k, v, q, mu, None, "1", with_impl=True)
     assert not filed._online_center and (filed.space.k_sub == 0.5).all()
     with mock.patch.dict("os.environ", {"NVFP4KV_CENTER_K": "auto"}), \
-            mock.patch.object(backend, "k_transform", lambda layer, dev: (None, None)):
+            mock.patch.object(backend, "k_transform", lambda layer, dev, cfg: (None, None)):
         for kw in ({"sinks": torch.zeros(HQ)}, {"logits_soft_cap": 30.0}):
             impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4", **kw)
             impl._init_space(SimpleNamespace(layer_name="l0"), k)
@@ -595,7 +598,7 @@ def test_fused_k_write_gives_the_same_cache(device, rotate_k, chosen):
             impl.do_kv_cache_update(layer, torch.zeros_like(k[:4]).bfloat16(),
                                     torch.zeros_like(v[:4]).bfloat16(), cache,
                                     torch.full((4,), -1, device=device))
-            assert impl.fuse_transforms_option == fused
+            assert impl.config.fuse_transforms == fused
             assert device == "cuda" or not impl._fused_k  # decided on a GPU only
             assert (impl.space.k_rot_on is not None) == (rotate_k == "auto")
             impl._fused_k = fused
@@ -613,9 +616,9 @@ def test_fused_transforms_are_the_default():
     """On since 2026-12-06 (the real-model test passed with it on an H100); 0 turns it off."""
     with mock.patch.dict("os.environ"):  # restored on exit
         os.environ.pop("NVFP4KV_FUSE_TRANSFORMS", None)
-        assert backend.options()["fuse_transforms"]
+        assert NvFp4KVConfig.from_env().fuse_transforms
     with mock.patch.dict("os.environ", {"NVFP4KV_FUSE_TRANSFORMS": "0"}):
-        assert not backend.options()["fuse_transforms"]
+        assert not NvFp4KVConfig.from_env().fuse_transforms
 
 
 def test_decode_variant_option():

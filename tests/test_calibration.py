@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vllm_nvfp4kv import calibration as cal
+from vllm_nvfp4kv.config import NvFp4KVConfig
 from vllm_nvfp4kv.kernels import kv_cache_shape, reference
 from vllm_nvfp4kv.kernels.format import DEFAULT_BLOCK_SCALES
 from vllm_nvfp4kv.kernels.global_scale import calibrate_global_scales
@@ -28,6 +29,11 @@ def _env(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     cal._files.clear()
     cal._transforms.clear()
+
+
+def _cfg():
+    """The options as the tests' environment (monkeypatched) gives them."""
+    return NvFp4KVConfig.from_env()
 
 
 def _layer(name="model.layers.0.self_attn.attn", k=1.0, v=1.0, device="cpu"):
@@ -78,7 +84,7 @@ def test_online_first_real_write_fixes_scales(monkeypatch):
     layer = _layer()
     # a dummy run (vLLM pads every slot with -1): huge garbage K/V must be ignored
     k, v = _kv(8, mult=1e4)
-    cal.prepare_write(layer, k, v, torch.full((8,), -1))
+    cal.prepare_write(layer, k, v, torch.full((8,), -1), _cfg())
     st = cal.state(layer)
     assert st.source == "online" and not st.done
     assert layer._k_scale.item() == 1.0 and layer._v_scale.item() == 1.0
@@ -87,7 +93,7 @@ def test_online_first_real_write_fixes_scales(monkeypatch):
     k[8:], v[8:] = 1e6, float("nan")
     k[3, 1, 5] = float("inf")  # non-finite values do not count
     slots = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, -1, -1])
-    cal.prepare_write(layer, k, v, slots)
+    cal.prepare_write(layer, k, v, slots, _cfg())
     ak = k[:8].float().abs().nan_to_num(posinf=0).max().item()
     av = v[:8].float().abs().max().item()
     assert st.done and st.flag.tolist() == [1, 1]
@@ -95,7 +101,7 @@ def test_online_first_real_write_fixes_scales(monkeypatch):
     assert layer._v_scale.item() == _pow2_rule(av, 64.0)
     # later batches, even far larger, never change them (pages keep their scale)
     before = (layer._k_scale.item(), layer._v_scale.item())
-    cal.prepare_write(layer, *_kv(4, mult=1e3), torch.arange(4))
+    cal.prepare_write(layer, *_kv(4, mult=1e3), torch.arange(4), _cfg())
     assert (layer._k_scale.item(), layer._v_scale.item()) == before
 
 
@@ -104,10 +110,10 @@ def test_online_all_zero_side_waits(monkeypatch):
     monkeypatch.setenv("NVFP4KV_CALIBRATE_HEADROOM", "8")
     layer = _layer()
     k, v = _kv(4)
-    cal.prepare_write(layer, k, torch.zeros_like(v), torch.arange(4))
+    cal.prepare_write(layer, k, torch.zeros_like(v), torch.arange(4), _cfg())
     st = cal.state(layer)
     assert st.flag.tolist() == [1, 0] and not st.done and layer._v_scale.item() == 1.0
-    cal.prepare_write(layer, k * 4, v, torch.arange(4))
+    cal.prepare_write(layer, k * 4, v, torch.arange(4), _cfg())
     assert st.done
     assert layer._k_scale.item() == _pow2_rule(k.float().abs().max().item(), 8.0)
     assert layer._v_scale.item() == _pow2_rule(v.float().abs().max().item(), 8.0)
@@ -247,8 +253,8 @@ def test_guard_kernel_matches_the_eager_path(monkeypatch, device):
     slots = torch.arange(21, device=device)
     slots[20] = -1
     eager, graph = _layer(device=device), _layer(device=device)
-    cal.prepare_write(eager, k, v, slots)
-    st = cal.init_layer(graph, k.device)
+    cal.prepare_write(eager, k, v, slots, _cfg())
+    st = cal.init_layer(graph, k.device, _cfg())
     cal.guard_update(graph, st, k, v, slots)
     assert st.flag.tolist() == [1, 1]
     assert graph._k_scale.item() == eager._k_scale.item()
@@ -256,7 +262,7 @@ def test_guard_kernel_matches_the_eager_path(monkeypatch, device):
     cal.guard_update(graph, st, k * 100, v * 100, slots)  # flag set: no change
     assert graph._k_scale.item() == eager._k_scale.item()
     dummy = _layer(device=device)
-    st = cal.init_layer(dummy, k.device)
+    st = cal.init_layer(dummy, k.device, _cfg())
     cal.guard_update(dummy, st, k, v, torch.full_like(slots, -1))  # a padded-only replay
     assert st.flag.tolist() == [0, 0] and dummy._k_scale.item() == 1.0
 
@@ -276,34 +282,34 @@ def test_scales_file_round_trip_and_precedence(monkeypatch, tmp_path):
     x = torch.zeros(1, H, D)
     # file beats online; the scales are in place before the first write
     la = _layer("a")
-    cal.prepare_write(la, x, x, torch.full((1,), -1))
+    cal.prepare_write(la, x, x, torch.full((1,), -1), _cfg())
     assert cal.state(la).source == "file" and cal.state(la).done
     assert (la._k_scale.item(), la._v_scale.item()) == tuple(raw["a"])
     # a layer missing from the file falls back to online
     lc = _layer("c")
-    cal.prepare_write(lc, x, x, torch.full((1,), -1))
+    cal.prepare_write(lc, x, x, torch.full((1,), -1), _cfg())
     assert cal.state(lc).source == "online"
     # checkpoint scales (anything but vLLM's default 1.0) beat the file ...
     lck = _layer("a", k=0.25, v=0.5)
-    cal.prepare_write(lck, x, x, torch.full((1,), -1))
+    cal.prepare_write(lck, x, x, torch.full((1,), -1), _cfg())
     assert cal.state(lck).source == "checkpoint"
     assert (lck._k_scale.item(), lck._v_scale.item()) == (0.25, 0.5)
     # ... unless told to ignore them
     monkeypatch.setenv("NVFP4KV_CHECKPOINT_SCALES", "ignore")
     lig = _layer("a", k=0.25, v=0.5)
-    cal.prepare_write(lig, x, x, torch.full((1,), -1))
+    cal.prepare_write(lig, x, x, torch.full((1,), -1), _cfg())
     assert cal.state(lig).source == "file"
     assert (lig._k_scale.item(), lig._v_scale.item()) == tuple(raw["a"])
     lig2 = _layer("zz", k=0.25, v=0.5)
     monkeypatch.setenv("NVFP4KV_CALIBRATE", "off")
-    cal.prepare_write(lig2, x, x, torch.full((1,), -1))
+    cal.prepare_write(lig2, x, x, torch.full((1,), -1), _cfg())
     assert cal.state(lig2).source == "default" and lig2._k_scale.item() == 1.0
 
 
 def test_default_is_a_no_op(device):
     layer = _layer(device=device)
     k, v = _kv(3, device=device, mult=100)
-    cal.prepare_write(layer, k, v, torch.arange(3, device=device))
+    cal.prepare_write(layer, k, v, torch.arange(3, device=device), _cfg())
     st = cal.state(layer)
     assert st.source == "default" and st.done and st.flag is None
     assert layer._k_scale.item() == 1.0
@@ -318,7 +324,7 @@ def test_bad_files_and_options_are_refused(monkeypatch, tmp_path):
         cal.load_scales_file(str(tmp_path / "missing.json"))
     monkeypatch.setenv("NVFP4KV_CALIBRATE", "sometimes")
     with pytest.raises(ValueError, match="NVFP4KV_CALIBRATE"):
-        cal.prepare_write(_layer(), *_kv(1), torch.arange(1))
+        cal.prepare_write(_layer(), *_kv(1), torch.arange(1), _cfg())
 
 
 def test_collect_mode_records_amax_without_changing_scales(monkeypatch):
@@ -331,9 +337,9 @@ def test_collect_mode_records_amax_without_changing_scales(monkeypatch):
     k0 = torch.zeros_like(k1)
     # a warm-up / capture batch first (every slot -1, as vLLM pads on the GPU): no data; it
     # used to enter the per-channel range as 0 and halve the mid-range of channel 3
-    cal.prepare_write(layer, k0, k0, torch.full((5,), -1))
-    cal.prepare_write(layer, k1, v1, torch.arange(5))
-    cal.prepare_write(layer, k2, v2, torch.tensor([0, 1, 2, -1, -1]))
+    cal.prepare_write(layer, k0, k0, torch.full((5,), -1), _cfg())
+    cal.prepare_write(layer, k1, v1, torch.arange(5), _cfg())
+    cal.prepare_write(layer, k2, v2, torch.tensor([0, 1, 2, -1, -1]), _cfg())
     model = SimpleNamespace(modules=lambda: [layer, SimpleNamespace()])
     got = cal.collected(model)[layer.layer_name]
     assert got[0] == max(k1.float().abs().max(), k2[:3].float().abs().max()).item()
@@ -370,9 +376,9 @@ def test_k_centering_and_smoothing_file_round_trip_and_backend(monkeypatch, tmp_
                                         None, {"a": (hi, lo)}, smooth=True)
     assert "_k_center" not in only_smooth and only_smooth["_k_smooth"]["a"][0][3] == 128.0
     monkeypatch.setenv("NVFP4KV_SCALES_FILE", str(path))
-    c, s = cal.k_transform(_layer("a"), "cpu")
+    c, s = cal.k_transform(_layer("a"), "cpu", _cfg())
     assert torch.equal(c, mu) and torch.equal(s, want)
-    assert cal.k_transform(_layer("b"), "cpu") == (None, None)
+    assert cal.k_transform(_layer("b"), "cpu", _cfg()) == (None, None)
 
     pytest.importorskip("vllm")
     from vllm_nvfp4kv.backend import NvFp4AttentionImpl
@@ -492,12 +498,12 @@ def test_cuda_graph_replay_calibrates_once(monkeypatch):
     k = torch.zeros(8, H, D, device="cuda", dtype=torch.bfloat16)
     v = torch.zeros_like(k)
     slots = torch.full((8,), -1, device="cuda")
-    cal.prepare_write(layer, k, v, slots)  # eager warm-up: state, no data
+    cal.prepare_write(layer, k, v, slots, _cfg())  # eager warm-up: state, no data
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        cal.prepare_write(layer, k, v, slots)
+        cal.prepare_write(layer, k, v, slots, _cfg())
     torch.cuda.current_stream().wait_stream(s)
     assert layer._k_scale.item() == 1.0
     graph.replay()  # padded-only replay
@@ -512,5 +518,5 @@ def test_cuda_graph_replay_calibrates_once(monkeypatch):
     assert layer._k_scale.item() == gk
     k.mul_(100)
     graph.replay()
-    cal.prepare_write(layer, k, v, slots)  # eager: reads the flag, done
+    cal.prepare_write(layer, k, v, slots, _cfg())  # eager: reads the flag, done
     assert cal.state(layer).done and layer._k_scale.item() == gk

@@ -16,13 +16,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this p
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")             # skip inductor warm-up on CPU
 
 
-def _llm(kv_cache_dtype):
+def _llm(kv_cache_dtype, **kw):
     from vllm import LLM
     return LLM(model=MODEL, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
                dtype="bfloat16", max_model_len=512, max_num_seqs=8,
                max_num_batched_tokens=64,  # prompts > 64 tokens are prefilled in chunks
                kv_cache_memory_bytes=64 << 20, kv_cache_dtype=kv_cache_dtype, seed=0,
-               enable_prefix_caching=True, block_size=CPU_BLOCK_SIZE)
+               enable_prefix_caching=True, block_size=CPU_BLOCK_SIZE, **kw)
 
 
 def _prompts():
@@ -41,14 +41,13 @@ def outputs():
     sp = SamplingParams(max_tokens=12, temperature=0, detokenize=False)
     res = {}
     for dtype in ("auto", "nvfp4", "nvfp4 centered"):
-        # NVFP4KV_CENTER_K=1: every layer centered online (auto waits for outlier channels,
-        # which dummy weights do not have); read when the engine builds its layers
+        # center_k 1: every layer centered online (auto waits for outlier channels, which
+        # dummy weights do not have), given as vLLM's additional_config (the engine's options)
         with pytest.MonkeyPatch.context() as mp:
-            if dtype == "nvfp4 centered":
-                mp.setenv("NVFP4KV_CENTER_K", "1")
-            else:
-                mp.delenv("NVFP4KV_CENTER_K", raising=False)  # the default, auto
-            llm = _llm(dtype.split()[0])
+            mp.delenv("NVFP4KV_CENTER_K", raising=False)  # the default, auto
+            kw = dict(additional_config={"nvfp4kv": {"center_k": "1"}}) \
+                if dtype == "nvfp4 centered" else {}
+            llm = _llm(dtype.split()[0], **kw)
         calls = []
         orig = prefill.gather_into
         prefill.gather_into = lambda *a, **k: (calls.append(a[3]), orig(*a, **k))[1]
@@ -88,9 +87,10 @@ def test_greedy_tokens_match_bf16_cache(outputs):
 
 
 def test_online_k_centering_in_the_engine(outputs):
-    """NVFP4KV_CENTER_K=1 through a real engine: every layer's offsets were set from its first
-    real batch (after vLLM's dummy runs), and the outputs still match the BF16 cache. With the
-    default (auto) the offsets are reserved but stay zero: dummy K has no outlier channels."""
+    """center_k=1 (additional_config={"nvfp4kv": {"center_k": "1"}}) through a real engine:
+    every layer's offsets were set from its first real batch (after vLLM's dummy runs), and
+    the outputs still match the BF16 cache. With the default (auto) the offsets are reserved
+    but stay zero: dummy K has no outlier channels."""
     o = outputs["nvfp4 centered"]
     assert o["k_sub"] and all(k is not None and k.abs().sum() > 0 for k in o["k_sub"])
     assert all(k is not None and (k == 0).all() for k in outputs["nvfp4"]["k_sub"])

@@ -1040,16 +1040,17 @@ def test_decode_variant_sets_the_split_rule():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
     from vllm_nvfp4kv.backend import NvFp4MetadataBuilder
     from vllm_nvfp4kv.kernels.decode import DEFAULT_SPLIT_RULE
-    cfg = VllmConfig(model_config=ModelConfig(model=TINY, skip_tokenizer_init=True,
-                                              max_model_len=256))
     spec = FullAttentionSpec(16, num_kv_heads=2, head_size=128, dtype=torch.uint8,
                              kv_quant_mode=get_kv_quant_mode("nvfp4"))
 
-    def rule():
+    def rule(**extra):  # a new engine's config each time: the options are read once per engine
+        cfg = VllmConfig(model_config=ModelConfig(model=TINY, skip_tokenizer_init=True,
+                                                  max_model_len=256), additional_config=extra)
         return NvFp4MetadataBuilder(spec, ["l0"], cfg, torch.device("cpu")).split_rule
     assert rule() == DEFAULT_SPLIT_RULE == "waves"
     with mock.patch.dict("os.environ", {"NVFP4KV_DECODE_VARIANT": "per_sm8"}):
         assert rule() == "per_sm8"
+    assert rule(nvfp4kv={"decode_variant": "per_sm8"}) == "per_sm8"  # what evals pass
 
 
 def test_engine_refuses_bad_head_size_and_block_size(sharp_model):

@@ -1,14 +1,14 @@
 """vLLM attention backend for the NVFP4 KV cache (``--kv-cache-dtype nvfp4``) on GPUs where
 vLLM has none (SM80-SM90, and SM120), and on vLLM's CPU platform (torch references).
 
-Wiring only; the math lives in ``vllm_nvfp4kv.kernels`` (page format, writer, gather, decode)
-and ``prefill.py`` (initial and chunked prefill). The cache page layout is the one vLLM 0.26
+Wiring only; the options are ``config.NvFp4KVConfig`` (one per engine), the math lives in
+``vllm_nvfp4kv.kernels`` (page format, writer, gather, decode) and ``prefill.py`` (initial and
+chunked prefill). The cache page layout is the one vLLM 0.26
 sizes for NVFP4 (``[num_blocks, 2*H, N, D/2 + D/16]`` uint8; K/V data then scales per side,
 head-major, linear scales): see ``kernels/format.py``.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -21,83 +21,16 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        AttentionType, CommonAttentionMetadata)
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from vllm_nvfp4kv import compat
+from vllm_nvfp4kv import compat, config
 from vllm_nvfp4kv.kernels import decode_attention, format as fmt, reference, write_cache
 from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, DEFAULT_SPLIT_RULE, choose_num_splits
 from vllm_nvfp4kv.prefill import PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.cache_space import CacheSpace, rotation_helps
-from vllm_nvfp4kv.calibration import (k_mid_range, k_transform, log_once, prepare_write,
-                                      settings as calibration_settings)
-from vllm_nvfp4kv.scales import K_OUTLIER_RATIO, check_scales, global_scales, k_outlier_ratio
+from vllm_nvfp4kv.calibration import k_mid_range, k_transform, log_once, prepare_write
+from vllm_nvfp4kv.scales import K_OUTLIER_RATIO, global_scales, k_outlier_ratio
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_dtype, workspace_views
 
 logger = init_logger("vllm.nvfp4kv")  # under "vllm" so vLLM's log config applies
-
-
-def options() -> dict:
-    """The backend's options, read from the environment when an engine builds its layers.
-    Accuracy (README "Accuracy options"; defaults chosen by evals/fidelity.py --variants):
-    NVFP4KV_BLOCK_SCALES (default search): how the writer picks each 16-value block's E4M3
-      scale (kernels/format.py): search, of the codes of amax / 6 and amax / 4 and the one just
-      below each, the one with the smallest squared error; 4over6, amax -> 4 or amax -> 6,
-      whichever has the smaller error; amax6, amax -> 6 (the seed's). Same page format;
-      only the writer changes. The older NVFP4KV_FOUR_OVER_SIX=1 / 0 means 4over6 / amax6.
-    NVFP4KV_ROTATE_K (default auto): Hadamard-rotate K, and Q with it so q.k is unchanged,
-      before caching (power-of-two head sizes). auto: each layer decides at its first real
-      batch, keeping the rotation where it lowers that batch's q.k error through the cache
-      (cache_space.rotation_helps; its K is rewritten unrotated otherwise); off for layers
-      with K smoothing, on for all layers under NVFP4KV_CALIBRATE=online/collect. 1: every
-      layer; 0: none.
-    NVFP4KV_ROTATE_V (default 0): also rotate V, and rotate the attention output back.
-    NVFP4KV_CENTER_K (default auto): K centering without a scales file: once a layer's first
-      real batch shows K outlier channels (scales.K_OUTLIER_RATIO), that layer and every
-      layer of the model whose first real batch comes later cache K - mu from then on, mu
-      that batch's per-channel mid-range (1: every layer; 0: never). A scales file's
-      centering comes first; layers with sinks or a soft-cap are never centered.
-    NVFP4KV_PREFILL_FROM_CACHE (default 0): prefill attends over the chunk's own K/V as read
-      back from the cache instead of the exact values (the seed design), so that a prefix-cache
-      hit on the same tokens later computes exactly the same thing (identical requests give
-      identical greedy outputs with prefix caching on), at some accuracy cost.
-    Speed:
-    NVFP4KV_FUSE_TRANSFORMS (default 1): on a GPU, K centering and rotation inside the cache
-      writer (kernels.write_cache k_sub / rotate_k) instead of two torch ops per layer and
-      step; the same cache bytes up to rare last-bit differences (fp32 sum order;
-      tests/test_kernels.py), -1.7% decode-step GPU time on an H100 (README). 0: the torch
-      ops. Not with K smoothing or NVFP4KV_CALIBRATE=online/collect (they read the
-      transformed K), nor for head sizes that are not a power of two. With
-      NVFP4KV_ROTATE_K=auto the writer reads the layer's choice from a device flag.
-    NVFP4KV_DECODE_VARIANT (default "default"): the decode kernel's launch variant
-      (kernels.decode.DECODE_VARIANTS: "v_rows", V decoded in rows and transposed through
-      shared memory instead of straight into the MMA operand; "drain", the block-table
-      entries loaded in the tile's own iteration (the default before 2026-12-05);
-      "bt_ahead_s3", entries a tile ahead with 3 load stages instead of 4; "per_sm8", the
-      split-KV count and tile size before 2026-12-06), for serving A/Bs."""
-    env = os.environ.get
-    return {"block_scales": _block_scales(),
-            "rotate_k": env("NVFP4KV_ROTATE_K", "auto"),
-            "rotate_v": env("NVFP4KV_ROTATE_V", "0") == "1",
-            "center_k": _choice("NVFP4KV_CENTER_K", "auto", ("auto", "0", "1")),
-            "prefill_from_cache": env("NVFP4KV_PREFILL_FROM_CACHE", "0") == "1",
-            "fuse_transforms": env("NVFP4KV_FUSE_TRANSFORMS", "1") == "1",
-            "decode_variant": _choice("NVFP4KV_DECODE_VARIANT", "default",
-                                      tuple(DECODE_VARIANTS))}
-
-
-def _block_scales() -> str:
-    old = os.environ.get("NVFP4KV_FOUR_OVER_SIX")
-    if old is None:
-        return _choice("NVFP4KV_BLOCK_SCALES", fmt.DEFAULT_BLOCK_SCALES, fmt.BLOCK_SCALE_RULES)
-    if "NVFP4KV_BLOCK_SCALES" in os.environ:
-        raise ValueError("NVFP4KV_FOUR_OVER_SIX and NVFP4KV_BLOCK_SCALES are both set: keep "
-                         "NVFP4KV_BLOCK_SCALES")
-    return {"1": "4over6", "0": "amax6"}[_choice("NVFP4KV_FOUR_OVER_SIX", old, ("0", "1"))]
-
-
-def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
-    val = os.environ.get(name, default)
-    if val not in allowed:
-        raise ValueError(f"{name}={val!r}: expected one of {', '.join(allowed)}")
-    return val
 
 
 class NvFp4AttentionBackend(AttentionBackend):
@@ -240,17 +173,17 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         _check_one_head_size(kv_cache_spec, layer_names)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)
+        cfg = config.for_engine(vllm_config)
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.head_size = kv_cache_spec.head_size
         self.window = getattr(kv_cache_spec, "sliding_window", None)
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.capacity = workspace_capacity(vllm_config, self.window)
-        opts = options()
-        self.prefill_from_cache = opts["prefill_from_cache"]
-        self.split_rule = DECODE_VARIANTS[opts["decode_variant"]].get("split_rule",
-                                                                     DEFAULT_SPLIT_RULE)
+        self.capacity = workspace_capacity(vllm_config, self.window, cfg.workspace_prefix_tokens)
+        self.prefill_from_cache = cfg.prefill_from_cache
+        self.split_rule = DECODE_VARIANTS[cfg.decode_variant].get("split_rule",
+                                                                  DEFAULT_SPLIT_RULE)
         workspace_views(self.capacity, self.num_kv_heads, self.head_size,
-                        workspace_dtype(vllm_config.model_config.dtype),
+                        workspace_dtype(vllm_config.model_config.dtype, cfg.workspace_dtype),
                         device)  # reserve before capture
         _log_capacity(vllm_config, self.head_size, self.capacity, self.num_kv_heads)
 
@@ -333,25 +266,25 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                 "NVFP4 KV cache (vllm-nvfp4kv) does not support " + ", ".join(refuse)
                 + ". Use --kv-cache-dtype fp8 or auto for this model.")
         fmt.check_head_dim(head_size)
-        opts = options()
+        # the config in force while the model is built (None outside an engine: tests)
+        cfg = get_current_vllm_config_or_none()
+        self.config = opts = config.for_engine(cfg)
         pow2 = head_size & (head_size - 1) == 0
-        if (opts["rotate_k"] == "1" or opts["rotate_v"]) and not pow2:
-            raise ValueError(f"NVFP4KV_ROTATE_K/V=1 need a power-of-two head_size, got "
-                             f"{head_size}; unset them for this model")
+        if (opts.rotate_k == "1" or opts.rotate_v) and not pow2:
+            raise ValueError(f"NVFP4 KV options rotate_k / rotate_v = 1 (NVFP4KV_ROTATE_K/V) "
+                             f"need a power-of-two head_size, got {head_size}; unset them for "
+                             "this model")
         # nvfp4_4over6 (vLLM >= 0.32) names the writer's rule; the page format is the same
-        self.block_scales = compat.NVFP4_CACHE_DTYPES[kv_cache_dtype] or opts["block_scales"]
-        self.rotate_k_option = opts["rotate_k"]
-        self.center_k_option = opts["center_k"]
+        self.block_scales = compat.NVFP4_CACHE_DTYPES[kv_cache_dtype] or opts.block_scales
         self._online_center = False  # k_sub reserved (zeros), set at the first real batch
         # rotate_k=auto: K's rotation chosen at the first real batch (forward sees its queries)
-        self._choose_rotation = opts["rotate_k"] == "auto" and pow2
+        self._choose_rotation = opts.rotate_k == "auto" and pow2
         self._pending_rotation = None  # that batch's (key, value, slots), update -> forward
         # what the cache stores; K centering/smoothing join at the layer's first eager write
-        self.space = CacheSpace(rotate_k=opts["rotate_k"] == "1" or (
-            opts["rotate_k"] == "auto" and pow2), rotate_v=opts["rotate_v"])
+        self.space = CacheSpace(rotate_k=opts.rotate_k == "1" or (
+            opts.rotate_k == "auto" and pow2), rotate_v=opts.rotate_v)
         self._space_ready = False
-        self.fuse_transforms_option = opts["fuse_transforms"]
-        self.decode_variant = DECODE_VARIANTS[opts["decode_variant"]]
+        self.decode_variant = DECODE_VARIANTS[opts.decode_variant]
         self._fused_k = False  # K's transform in the writer (decided at the first eager write)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
@@ -359,11 +292,10 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         self.softcap = float(logits_soft_cap or 0.0)
         self.sinks = sinks
         self.fa_version = None
-        self._checked = False
         self._outliers_checked = False
         # the workspace size, from the config in force while the model is built
-        cfg = get_current_vllm_config_or_none()
-        self.ws_capacity = workspace_capacity(cfg, sliding_window) if cfg else 0
+        self.ws_capacity = workspace_capacity(cfg, sliding_window,
+                                              opts.workspace_prefix_tokens) if cfg else 0
         self._model = str(getattr(cfg.model_config, "model", "?")) if cfg and \
             cfg.model_config else "?"
 
@@ -388,12 +320,9 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         value = self.space.value(value)
         if not self._fused_k:  # else K - mu and its rotation happen in the writer
             key = self.space.key(key)
-        # calibration may fix k/v_scale first (with _fused_k it is off and reads no K)
-        prepare_write(layer, key, value, slot_mapping)
-        # once, at the first write outside graph capture (a host read of the two scalars)
-        if eager and not self._checked:
-            check_scales(getattr(layer, "layer_name", "?"), float(k_scale), float(v_scale))
-            self._checked = True
+        # calibration may fix k/v_scale first (with _fused_k it is off and reads no K); at the
+        # layer's first eager write it resolves and checks them
+        prepare_write(layer, key, value, slot_mapping, self.config)
         if self._fused_k:
             write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale,
                         self.block_scales, k_sub=self.space.k_sub,
@@ -406,26 +335,27 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         """At the layer's first eager write (before any CUDA graph capture): K centering and
         smoothing from the scales file; smoothing turns the rotation of K off."""
         self._space_ready = True
-        mu, s = k_transform(layer, key.device)
+        cfg = self.config
+        mu, s = k_transform(layer, key.device, cfg)
         name = getattr(layer, "layer_name", "?")
         for what, t in (("centering", mu), ("smoothing", s)):
             if t is not None and t.shape != (self.num_kv_heads, self.head_size):
-                raise ValueError(f"NVFP4KV_SCALES_FILE: K {what} of layer {name} has shape "
-                                 f"{tuple(t.shape)}, expected ({self.num_kv_heads}, "
+                raise ValueError(f"scales file {cfg.scales_file}: K {what} of layer {name} has "
+                                 f"shape {tuple(t.shape)}, expected ({self.num_kv_heads}, "
                                  f"{self.head_size})")
         if mu is not None and (self.sinks is not None or self.softcap):
-            raise ValueError(f"NVFP4KV_SCALES_FILE: layer {name} has attention sinks or a "
-                             "logit soft-cap, which K centering would change; calibrate "
+            raise ValueError(f"scales file {cfg.scales_file}: layer {name} has attention sinks "
+                             "or a logit soft-cap, which K centering would change; calibrate "
                              "without --center-k")
         if s is not None:  # rotating smoothed keys undoes the smoothing (README)
-            if self.rotate_k_option == "1":
-                raise ValueError("NVFP4KV_ROTATE_K=1 and a scales file with K smoothing "
-                                 "exclude each other: unset NVFP4KV_ROTATE_K")
+            if cfg.rotate_k == "1":
+                raise ValueError("NVFP4 KV option rotate_k=1 (NVFP4KV_ROTATE_K) and a scales "
+                                 "file with K smoothing exclude each other: unset rotate_k")
             self.space.rotate_k = False
         # centering keeps the rotation as configured: rotating K - mu is as exact as rotating
         # K, and the two together measured best (Qwen2.5 KL 0.0034 vs 0.0055 without,
         # evals/RESULTS.md)
-        if mu is None and self.center_k_option != "0" and self.sinks is None \
+        if mu is None and cfg.center_k != "0" and self.sinks is None \
                 and not self.softcap:
             # reserved now, before any CUDA graph captures the subtraction; zeros until the
             # first real batch decides (_first_real_batch)
@@ -435,15 +365,15 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             self.space.set_center(mu, key.dtype)
         if s is not None:
             self.space.set_smoothing(s, self.num_heads, key.dtype)
-        cal = calibration_settings()
         # online calibration sets the global scales from the rotated K: the rotation stays
-        self._choose_rotation &= self.space.rotate_k and not (cal["online"] or cal["collect"])
+        reads_k = cfg.calibrate in ("online", "collect")
+        self._choose_rotation &= self.space.rotate_k and not reads_k
         if self._choose_rotation:
             self.space.reserve_rotation_choice(self.head_size, key.device, key.dtype)
-        self._fused_k = (self.fuse_transforms_option and key.is_cuda and self.space.k_mul is None
+        self._fused_k = (cfg.fuse_transforms and key.is_cuda and self.space.k_mul is None
                          and (self.space.k_sub is not None or self.space.rotate_k)
                          and self.head_size & (self.head_size - 1) == 0  # whole-row loads
-                         and not (cal["online"] or cal["collect"]))
+                         and not reads_k)
 
     def _first_real_batch(self, layer, key, value, slot_mapping) -> None:
         """Once per layer, at its first batch of real tokens (eager: warm-up and capture
@@ -459,13 +389,13 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             _K_OUTLIER_MODELS.add(self._model)
         # auto: model-wide, since layers below the outlier ratio gain as well (Qwen2.5: KL
         # 0.0033 centering every layer vs 0.0070 only those above it; evals/RESULTS.md)
-        if self._online_center and (self.center_k_option == "1"
+        if self._online_center and (self.config.center_k == "1"
                                     or self._model in _K_OUTLIER_MODELS):
             self.space.k_sub.copy_(k_mid_range(key, slot_mapping))  # in place: graphs hold it
             before, ratio = ratio, k_outlier_ratio(self.space.unrotated_key(key), slot_mapping)
             log_once("center", "NVFP4 KV cache: K centering from the first real batch "
-                     "(NVFP4KV_CENTER_K=%s), e.g. layer %s: K outlier ratio %.0f -> %.0f",
-                     self.center_k_option, name, before, ratio)
+                     "(center_k=%s), e.g. layer %s: K outlier ratio %.0f -> %.0f",
+                     self.config.center_k, name, before, ratio)
         if self._choose_rotation:  # decided in forward, with this batch's queries
             self._pending_rotation = (key, value, slot_mapping)
         if ratio > K_OUTLIER_RATIO:
@@ -474,8 +404,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
                 "%.0f > %.0f, e.g. a k_proj bias as in Qwen2): each 16-value block holding one "
                 "rounds its other values to 0 and accuracy collapses (evals/RESULTS.md, "
                 "Qwen2.5 fidelity). Calibrate K centering (python -m vllm_nvfp4kv.calibration "
-                "--center-k, then NVFP4KV_SCALES_FILE; online centering is off with "
-                "NVFP4KV_CENTER_K=0, sinks or a soft-cap) or use --kv-cache-dtype fp8.",
+                "--center-k, then the scales_file option; online centering is off with "
+                "center_k=0, sinks or a soft-cap) or use --kv-cache-dtype fp8.",
                 name, ratio, K_OUTLIER_RATIO)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -488,7 +418,8 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             self._pending_rotation = None  # no queries to decide with: the rotation stays
             if self.ws_capacity:
                 workspace_views(self.ws_capacity, self.num_kv_heads, self.head_size,
-                                workspace_dtype(query.dtype), query.device)
+                                workspace_dtype(query.dtype, self.config.workspace_dtype),
+                                query.device)
             return output.fill_(0)
         md = attn_metadata
         n = md.num_actual_tokens
@@ -503,14 +434,15 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
             if self.space.rotate_v:
                 out[:nd] = self.space.output(out[:nd])
         if md.num_prefills:
-            ws_dtype = workspace_dtype(query.dtype)
+            ws_dtype = workspace_dtype(query.dtype, self.config.workspace_dtype)
             if self.fa_version is None and q.is_cuda:
                 from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
                 self.fa_version = get_flash_attn_version(head_size=self.head_size,
                                                          has_sinks=self.sinks is not None)
                 if ws_dtype == torch.float8_e4m3fn and self.fa_version != 3:
                     raise ValueError(
-                        "NVFP4KV_WORKSPACE_DTYPE=fp8 needs FlashAttention 3 (Hopper); this GPU "
+                        "NVFP4 KV option workspace_dtype=fp8 (NVFP4KV_WORKSPACE_DTYPE) needs "
+                        "FlashAttention 3 (Hopper); this GPU "
                         f"has FA{self.fa_version}: unset it (BF16 workspace)")
             ws_k, ws_v = workspace_views(md.prefill.ws_rows, self.num_kv_heads, self.head_size,
                                          ws_dtype, query.device)
@@ -538,7 +470,7 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
         if on:
             return
         log_once("rotation", "NVFP4 KV cache: K rotation chosen per layer from the first real "
-                 "batch (NVFP4KV_ROTATE_K=auto); e.g. layer %s: off (it raised the q.k error)",
+                 "batch (rotate_k=auto); e.g. layer %s: off (it raised the q.k error)",
                  name)
         self.space.choose_rotation(False)
         write = write_cache if kv_cache.is_cuda else reference.write_cache

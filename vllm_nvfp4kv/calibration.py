@@ -1,15 +1,21 @@
 """Per-layer global scales (format.py's ``g``) calibrated from K/V statistics.
 
 Where a layer's (k_scale, v_scale) come from, first match wins (README "Calibrated global
-scales"):
+scales"; the options are ``config.NvFp4KVConfig``'s, environment variables in brackets):
 
 1. **checkpoint**: the scales vLLM loaded (ModelOpt/compressed-tensors ``k_scale``/``v_scale``),
-   i.e. anything other than vLLM's default 1.0. ``NVFP4KV_CHECKPOINT_SCALES=ignore`` skips them.
-2. **file**: ``NVFP4KV_SCALES_FILE=path``, JSON ``{layer_name: [k_scale, v_scale]}`` written by
-   ``python -m vllm_nvfp4kv.calibration`` (offline calibration over a set of texts).
-3. **online**: ``NVFP4KV_CALIBRATE=online`` fixes each side of each layer from the first batch
-   that writes real tokens into that layer's cache, before that batch is written.
+   i.e. anything other than vLLM's default 1.0. ``checkpoint_scales="ignore"``
+   (``NVFP4KV_CHECKPOINT_SCALES``) skips them.
+2. **file**: ``scales_file`` (``NVFP4KV_SCALES_FILE``), JSON ``{layer_name: [k_scale,
+   v_scale]}`` written by ``python -m vllm_nvfp4kv.calibration`` (offline calibration over a
+   set of texts).
+3. **online**: ``calibrate="online"`` (``NVFP4KV_CALIBRATE``) fixes each side of each layer
+   from the first batch that writes real tokens into that layer's cache, before that batch is
+   written.
 4. **default**: 1.0 (the seed).
+
+The scales in force are checked when the layer's source is resolved (its first eager write):
+zero, negative or non-finite ones are refused (scales.check_scales).
 
 The rule (both calibrations): ``g = 2 ** ceil(log2(headroom * amax / (6 * 448)))``, amax the
 largest finite |K| (|V|) seen. ``6 * 448 * g`` is the largest value a block can hold, so the
@@ -32,7 +38,7 @@ when the layer's device flag is set, and calibrates from the replayed batch if a
 is the first real write (a first batch of one-token prompts). Pages keep the scale they were
 written with; the scale never changes once set.
 
-``NVFP4KV_CALIBRATE=collect`` records the running amax of every layer's K/V (and each K
+``calibrate="collect"`` records the running amax of every layer's K/V (and each K
 channel's max and min) on the device (no sync) for the offline command, which reads it back
 with ``LLM.apply_model``.
 
@@ -57,10 +63,11 @@ from pathlib import Path
 
 import torch
 
+from .config import SECTION, NvFp4KVConfig
 from .kernels.format import E2M1_MAX, E4M3_MAX
 from .kernels.global_scale import calibrate_global_scales
 from .kernels.reference import masked_amax, scale_from_amax  # the rule, in plain torch
-from .scales import k_center_and_smoothing
+from .scales import check_scales, k_center_and_smoothing
 
 RANGE = E2M1_MAX * E4M3_MAX        # 2688: the largest |value| a block can hold at g = 1
 ONLINE_HEADROOM = 64.0
@@ -77,19 +84,6 @@ def log_once(key: str, msg: str, *args, level: str = "info") -> None:
     getattr(logging.getLogger("vllm.nvfp4kv"), level)(msg, *args)
 
 
-def settings() -> dict:
-    """The calibration options, read from the environment (at each layer's first write)."""
-    mode = os.environ.get("NVFP4KV_CALIBRATE", "off").lower() or "off"
-    if mode not in ("off", "0", "online", "1", "collect"):
-        raise ValueError(f"NVFP4KV_CALIBRATE={mode!r}: use off, online or collect")
-    ckpt = os.environ.get("NVFP4KV_CHECKPOINT_SCALES", "prefer").lower()
-    if ckpt not in ("prefer", "ignore"):
-        raise ValueError(f"NVFP4KV_CHECKPOINT_SCALES={ckpt!r}: use prefer or ignore")
-    return {"online": mode in ("online", "1"), "collect": mode == "collect",
-            "file": os.environ.get("NVFP4KV_SCALES_FILE", ""), "checkpoint": ckpt,
-            "headroom": float(os.environ.get("NVFP4KV_CALIBRATE_HEADROOM", ONLINE_HEADROOM))}
-
-
 # ------------------------------------------------------------------ the rule
 def scale_from_amax_float(amax: float, headroom: float) -> float:
     """Host version of :func:`scale_from_amax` (offline files)."""
@@ -97,13 +91,16 @@ def scale_from_amax_float(amax: float, headroom: float) -> float:
 
 
 # ------------------------------------------------------------------ files
-def load_scales_file(path: str) -> dict[str, tuple[float, float]]:
-    """{layer_name: (k_scale, v_scale)}; keys starting with '_' are metadata."""
+def load_scales_file(path: str, config: NvFp4KVConfig | None = None
+                     ) -> dict[str, tuple[float, float]]:
+    """{layer_name: (k_scale, v_scale)}; keys starting with '_' are metadata. config: the
+    options the file is used with (a warning where its rotation options differ from the
+    calibration run's)."""
     try:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"NVFP4KV_SCALES_FILE={path}: no such file (write one with "
-                                "python -m vllm_nvfp4kv.calibration)") from None
+        raise FileNotFoundError(f"scales_file (NVFP4KV_SCALES_FILE) {path}: no such file (write "
+                                "one with python -m vllm_nvfp4kv.calibration)") from None
     out = {}
     for name, val in raw.items():
         if name.startswith("_"):
@@ -116,15 +113,21 @@ def load_scales_file(path: str) -> dict[str, tuple[float, float]]:
                              f"got {val!r}")
         out[name] = (k, v)
     meta = raw.get("_meta", {})
-    for opt in ("NVFP4KV_ROTATE_K", "NVFP4KV_ROTATE_V"):
+    for opt, now in rotation_meta(config).items() if config is not None else ():
         if opt == "NVFP4KV_ROTATE_K" and (raw.get("_k_smooth") or raw.get("_k_center")):
             continue  # calibrated unrotated on purpose (centering offsets need raw K)
         want = meta.get(opt)
-        if want is not None and want != os.environ.get(opt, _ROTATE_DEFAULTS[opt]):
+        if want is not None and want != now:
             log_once("rot" + opt, "NVFP4 KV: %s was calibrated with %s=%s but runs with %s; K/V "
                      "magnitudes differ with and without rotation, recalibrate", path, opt, want,
-                     os.environ.get(opt, _ROTATE_DEFAULTS[opt]), level="warning")
+                     now, level="warning")
     return out
+
+
+def rotation_meta(config: NvFp4KVConfig) -> dict[str, str]:
+    """The rotation options as a scales file's _meta records them (their environment names
+    and values)."""
+    return {"NVFP4KV_ROTATE_K": config.rotate_k, "NVFP4KV_ROTATE_V": str(int(config.rotate_v))}
 
 
 def load_k_transform(path: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -143,26 +146,26 @@ def load_k_transform(path: str) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-_ROTATE_DEFAULTS = {"NVFP4KV_ROTATE_K": "auto", "NVFP4KV_ROTATE_V": "0"}
 _files: dict[str, dict] = {}
 _transforms: dict[str, dict] = {}
 
 
-def _file_scales(path: str) -> dict[str, tuple[float, float]]:
+def _file_scales(path: str, config: NvFp4KVConfig) -> dict[str, tuple[float, float]]:
     if path not in _files:
-        _files[path] = load_scales_file(path)
+        _files[path] = load_scales_file(path, config)
     return _files[path]
 
 
-def k_transform(layer, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def k_transform(layer, device, config: NvFp4KVConfig
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The layer's K centering offsets and smoothing divisors ([Hkv, D] each, on device, or
-    None) from NVFP4KV_SCALES_FILE. Read at the layer's first eager write (a host-to-device
+    None) from config.scales_file. Read at the layer's first eager write (a host-to-device
     copy: never while capturing)."""
-    path = settings()["file"]
+    path = config.scales_file
     if not path:
         return None, None
     if path not in _transforms:
-        _file_scales(path)  # the file's checks and messages first
+        _file_scales(path, config)  # the file's checks and messages first
         _transforms[path] = load_k_transform(path)
     t = _transforms[path].get(getattr(layer, "layer_name", "?"), {})
     return tuple(t[w].to(device) if w in t else None for w in ("center", "smooth"))
@@ -248,36 +251,37 @@ def _set_scales(layer, k: float | None = None, v: float | None = None) -> None:
             cpu.fill_(s)
 
 
-def init_layer(layer, device) -> LayerCalibration:
+def init_layer(layer, device, config: NvFp4KVConfig) -> LayerCalibration:
     """Resolve the layer's scale source (precedence above) at its first KV write, which must
-    run eagerly: file scales are copied in here, and the checkpoint check reads the scales."""
-    cfg = settings()
+    run eagerly: file scales are copied in here, and the scales in force are read and
+    checked."""
     name = getattr(layer, "layer_name", "?")
+    path, collect = config.scales_file, config.calibrate == "collect"
     k, v = _host_scales(layer)
     from_checkpoint = not (k == 1.0 and v == 1.0)
     online = False
-    if from_checkpoint and cfg["checkpoint"] == "prefer":
+    if from_checkpoint and config.checkpoint_scales == "prefer":
         source = "checkpoint"
     else:
         if from_checkpoint:  # told to ignore them: start from the seed's 1.0
             _set_scales(layer, 1.0, 1.0)
-        scales = _file_scales(cfg["file"]) if cfg["file"] else {}
+        scales = _file_scales(path, config) if path else {}
         if name in scales:
             _set_scales(layer, *scales[name])
             source = "file"
         else:
-            if cfg["file"]:
-                log_once("missing" + name, "NVFP4 KV: layer %s is not in NVFP4KV_SCALES_FILE=%s; "
-                         "it uses %s", name, cfg["file"],
-                         "online calibration" if cfg["online"] else "1.0", level="warning")
-            online = cfg["online"]
+            if path:
+                log_once("missing" + name, "NVFP4 KV: layer %s is not in the scales file %s; it "
+                         "uses %s", name, path, "online calibration"
+                         if config.calibrate == "online" else "1.0", level="warning")
+            online = config.calibrate == "online"
             source = "online" if online else "default"
-    log_once("settings" if source != "default" or cfg["file"] or cfg["collect"] else "settings0",
-             "NVFP4 KV global scales: checkpoint scales %s, NVFP4KV_SCALES_FILE=%s, "
-             "NVFP4KV_CALIBRATE=%s (layer %s: %s)", cfg["checkpoint"], cfg["file"] or "-",
-             "online" if cfg["online"] else "collect" if cfg["collect"] else "off", name, source,
-             level="info" if source != "default" or cfg["file"] or cfg["collect"] else "debug")
-    st = LayerCalibration(source, device, online, cfg["collect"], cfg["headroom"])
+    check_scales(name, *_host_scales(layer))
+    log_once("settings" if source != "default" or path or collect else "settings0",
+             "NVFP4 KV global scales: checkpoint scales %s, scales_file=%s, calibrate=%s "
+             "(layer %s: %s)", config.checkpoint_scales, path or "-", config.calibrate, name,
+             source, level="info" if source != "default" or path or collect else "debug")
+    st = LayerCalibration(source, device, online, collect, config.calibrate_headroom)
     setattr(layer, _ATTR, st)
     return st
 
@@ -286,25 +290,26 @@ def state(layer) -> LayerCalibration | None:
     return getattr(layer, _ATTR, None)
 
 
-def prepare_write(layer, key: torch.Tensor, value: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+def prepare_write(layer, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+                  config: NvFp4KVConfig) -> None:
     """Called right before the layer's K/V [T, H, D] (as cached: rotated where rotation is
-    on) are written at slot_mapping [T]. Fixes the scales in place (layer._k_scale /
-    _v_scale) if this is the layer's first real batch under online calibration."""
+    on) are written at slot_mapping [T]. At the layer's first eager write, resolves (and
+    checks) its scales (init_layer); fixes them in place (layer._k_scale / _v_scale) if this
+    is the layer's first real batch under online calibration."""
     st = getattr(layer, _ATTR, None)
     if st is not None and st.done:
         return
     capturing = key.is_cuda and torch.cuda.is_current_stream_capturing()
     if st is None:
         if capturing:
-            cfg = settings()
-            if cfg["online"] or cfg["file"] or cfg["collect"]:
+            if config.calibrate != "off" or config.scales_file:
                 raise RuntimeError(
-                    "NVFP4KV_CALIBRATE / NVFP4KV_SCALES_FILE need one eager forward before "
-                    "CUDA graph capture (vLLM normally runs warm-up batches first); set "
+                    "NVFP4 KV options calibrate / scales_file (NVFP4KV_CALIBRATE / "
+                    "NVFP4KV_SCALES_FILE) need one eager forward before CUDA graph capture "
+                    "(vLLM normally runs warm-up batches first); set "
                     "compilation_config={'cudagraph_num_of_warmups': 1} or enforce_eager")
             return  # default scales: nothing to set up
-        st = init_layer(layer, key.device)
+        st = init_layer(layer, key.device, config)
         if st.done:
             return
     if slot_mapping.shape[0] == 0:
@@ -399,17 +404,21 @@ def calibrate(model: str, texts: list[str], out: str, headroom: float = OFFLINE_
     """Run texts through the model (kv_cache_dtype nvfp4, each text prefilled in one piece, so
     attention sees exact K/V), record every layer's K/V amax, write the scales file.
     center_k / smooth_k: also per-channel K centering / smoothing (K recorded unrotated: the
-    offsets and divisors apply before any rotation; smoothed layers do not rotate K)."""
-    os.environ["NVFP4KV_CALIBRATE"] = "collect"
-    os.environ.pop("NVFP4KV_SCALES_FILE", None)
-    os.environ["NVFP4KV_CENTER_K"] = "0"  # K recorded as the model computes it
-    if center_k or smooth_k:
-        os.environ["NVFP4KV_ROTATE_K"] = "0"
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model's callable
+    offsets and divisors apply before any rotation; smoothed layers do not rotate K).
+    llm_kwargs: for vLLM's LLM; an additional_config["nvfp4kv"] there gives the other options
+    (the environment's otherwise)."""
+    extra = dict(llm_kwargs.pop("additional_config", None) or {})
+    # collect, no scales file, K recorded as the model computes it (unrotated where centering
+    # or smoothing is wanted: the offsets and divisors apply before any rotation)
+    options = {**extra.get(SECTION, {}), "calibrate": "collect", "scales_file": None,
+               "center_k": "0", **({"rotate_k": "0"} if center_k or smooth_k else {})}
+    config = NvFp4KVConfig.from_sources(options)  # what the engine runs with
+    # vLLM's own switch for apply_model's callable (not an option of this package)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams
     llm = LLM(model=model, kv_cache_dtype="nvfp4", max_model_len=max_model_len,
               max_num_batched_tokens=max_model_len, enable_prefix_caching=False,
-              enforce_eager=True, **llm_kwargs)
+              enforce_eager=True, additional_config={**extra, SECTION: options}, **llm_kwargs)
     tok = llm.get_tokenizer()
     prompts = [{"prompt_token_ids": tok(t)["input_ids"][:max_model_len - 1]} for t in texts]
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
@@ -430,7 +439,7 @@ def calibrate(model: str, texts: list[str], out: str, headroom: float = OFFLINE_
         raise RuntimeError("no layer recorded K/V: is the model served by the NVFP4 backend?")
     meta = {"model": model, "texts": len(texts), "tokens": tokens,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            **{k: os.environ.get(k, d) for k, d in _ROTATE_DEFAULTS.items()}}
+            **rotation_meta(config)}
     del llm
     return write_scales_file(out, amax, headroom, meta, k_range, center_k, smooth_k)
 
@@ -449,7 +458,7 @@ def main(argv=None):
         prog="python -m vllm_nvfp4kv.calibration",
         description="Offline calibration of the NVFP4 KV cache's per-layer global scales: run "
                     "texts through the model, write {layer_name: [k_scale, v_scale]} JSON for "
-                    "NVFP4KV_SCALES_FILE.")
+                    "the option scales_file (NVFP4KV_SCALES_FILE).")
     ap.add_argument("--model", required=True)
     ap.add_argument("--texts", required=True, help=".jsonl or .txt, one text per line")
     ap.add_argument("--out", required=True)

@@ -2,41 +2,33 @@
 all layers (vLLM's WorkspaceManager buffer), sized once from the scheduler limits.
 
 Rows = max_num_batched_tokens (the chunk's own K/V) + the cached prefix attended in one piece
-(at most NVFP4KV_WORKSPACE_PREFIX_TOKENS, default 65536, or the model length if smaller; a
-sliding window bounds it too). A longer prefix is attended in pieces merged by LSE, so a
+(at most the option workspace_prefix_tokens, default 65536, or the model length if smaller;
+a sliding window bounds it too). A longer prefix is attended in pieces merged by LSE, so a
 1M-token prefix does not need a 1M-token workspace. The buffer is reserved when the metadata
 builder is created and touched in the profiling run, so vLLM counts it before sizing the KV
 cache.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-DEFAULT_PREFIX_TOKENS = 65536
 FP8_DIV = 8.0  # FP8 workspace values are (e2m1 * e4m3) / FP8_DIV; descale = FP8_DIV * g
 _fallback: dict = {}  # device -> buffer, where vLLM's manager is not initialised (CPU tests)
 
 
-def workspace_capacity(vllm_config, window: int | None) -> int:
-    """Workspace rows for this configuration."""
+def workspace_capacity(vllm_config, window: int | None, prefix_tokens: int) -> int:
+    """Workspace rows for this configuration (prefix_tokens: NvFp4KVConfig's
+    workspace_prefix_tokens)."""
     sched, model = vllm_config.scheduler_config, vllm_config.model_config
-    prefix = min(model.max_model_len,
-                 int(os.environ.get("NVFP4KV_WORKSPACE_PREFIX_TOKENS", DEFAULT_PREFIX_TOKENS)))
+    prefix = min(model.max_model_len, prefix_tokens)
     if window:
         prefix = min(prefix, window)
     return sched.max_num_batched_tokens + prefix
 
 
-def workspace_dtype(model_dtype: torch.dtype) -> torch.dtype:
-    """The workspace dtype NVFP4KV_WORKSPACE_DTYPE asks for (see the module docstring)."""
-    want = os.environ.get("NVFP4KV_WORKSPACE_DTYPE", "auto")
-    if want == "auto":
-        return model_dtype
-    if want == "fp8":
-        return torch.float8_e4m3fn
-    raise ValueError(f"NVFP4KV_WORKSPACE_DTYPE must be 'auto' or 'fp8', got {want!r}")
+def workspace_dtype(model_dtype: torch.dtype, option: str) -> torch.dtype:
+    """The workspace dtype for NvFp4KVConfig's workspace_dtype ("auto": the model's, "fp8")."""
+    return torch.float8_e4m3fn if option == "fp8" else model_dtype
 
 
 def workspace_views(rows: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
