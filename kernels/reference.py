@@ -1,4 +1,5 @@
-"""Plain-torch references for every kernel: the oracles of the tests. FP32 math, CPU or GPU.
+"""Plain-torch references for every kernel: the oracles of the tests, and the CPU runtime
+(vllm_nvfp4kv/ops.py picks them where there is no CUDA device). FP32 math, CPU or GPU.
 
 Format and rounding rules: see ``format.py``. Cache tensors are vLLM's logical NVFP4 shape
 ``[num_blocks, 2*H, block_size, D/2 + D/16]`` uint8 (any page stride).

@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_nvfp4kv import backend  # noqa: E402
+from vllm_nvfp4kv import adaptation  # noqa: E402
+from vllm_nvfp4kv.adaptation import Phase  # noqa: E402
 from vllm_nvfp4kv.backend import NvFp4AttentionImpl, NvFp4Metadata  # noqa: E402
 from vllm_nvfp4kv.config import NvFp4KVConfig  # noqa: E402
 from vllm_nvfp4kv.kernels import kv_cache_shape, reference  # noqa: E402
@@ -36,9 +37,9 @@ def _inference_mode():
 def _fresh_outlier_models():
     """NVFP4KV_CENTER_K=auto remembers models with K outliers per process; the impls made
     here share one model name."""
-    backend._K_OUTLIER_MODELS.clear()
+    adaptation._K_OUTLIER_MODELS.clear()
     yield
-    backend._K_OUTLIER_MODELS.clear()
+    adaptation._K_OUTLIER_MODELS.clear()
 
 
 def _fp8(x, div):
@@ -97,7 +98,7 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
                          {"NVFP4KV_WORKSPACE_DTYPE": "fp8" if fp8_workspace else "auto",
                           "NVFP4KV_ROTATE_K": "1" if rotated else "0",
                           "NVFP4KV_ROTATE_V": "1" if rotated else "0"}), \
-            mock.patch.object(backend, "k_transform",
+            mock.patch.object(adaptation, "k_transform",
                               lambda layer, dev, cfg: _on(dev, center, smooth)):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, window, "nvfp4", softcap or None,
                                   sinks=sinks)
@@ -259,10 +260,10 @@ def _decode_error(k, v, q, center, smooth, center_k="0", rotate_k="0", warm_up=F
                             layer_name="l0")
     with mock.patch.dict("os.environ", {"NVFP4KV_ROTATE_K": rotate_k,
                                         "NVFP4KV_CENTER_K": center_k}), \
-            mock.patch.object(backend, "k_transform",
+            mock.patch.object(adaptation, "k_transform",
                               lambda layer, dev, cfg: _on(dev, center, smooth)):
         impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
-        impl._model = model  # vLLM's model name (no engine config here)
+        impl.adaptation.model = model  # vLLM's model name (no engine config here)
         cache = torch.zeros(kv_cache_shape(nb, N, H, D), dtype=torch.uint8)
         if warm_up:
             impl.do_kv_cache_update(layer, torch.zeros_like(k[:4]).bfloat16(),
@@ -338,7 +339,7 @@ def test_online_k_centering_at_the_first_real_batch(rotate_k):
     err, impl = _decode_error(k, v, q, None, None, "auto", rotate_k, warm_up=True,
                               with_impl=True)
     torch.testing.assert_close(impl.space.k_sub.float(), mid)
-    assert impl._online_center and impl.space.rotate_k == (rotate_k == "1")
+    assert impl.adaptation.online_center and impl.space.rotate_k == (rotate_k == "1")
     file_err = _decode_error(k, v, q, mid, None, "auto", rotate_k, with_impl=True)[0]
     off_err, off = _decode_error(k, v, q, None, None, "0", rotate_k, with_impl=True)
     assert off.space.k_sub is None
@@ -378,7 +379,7 @@ def test_rotation_chosen_per_layer_at_the_first_real_batch(helps):
     k, v, q = _rotation_case(helps)
     err, impl = _decode_error(k, v, q, None, None, "0", "auto", warm_up=True, with_impl=True)
     eye = torch.eye(D, dtype=torch.bfloat16)
-    assert impl._pending_rotation is None
+    assert impl.adaptation.phase is Phase.SETTLED  # no batch left waiting for queries
     assert torch.equal(impl.space.k_rot, rotate(eye) if helps else eye)
     fixed_err = _decode_error(k, v, q, None, None, "0", "1" if helps else "0", with_impl=True)[0]
     other_err = _decode_error(k, v, q, None, None, "0", "0" if helps else "1", with_impl=True)[0]
@@ -408,18 +409,19 @@ def test_online_k_centering_only_where_needed():
     k, v, q = torch.randn(64, H, D), torch.randn(64, H, D), torch.randn(1, HQ, D)
     err_auto, auto = _decode_error(k, v, q, None, None, "auto", with_impl=True)
     err_off = _decode_error(k, v, q, None, None, "0", with_impl=True)[0]
-    assert auto._online_center and (auto.space.k_sub == 0).all() and err_auto == err_off
+    assert auto.adaptation.online_center and (auto.space.k_sub == 0).all() \
+        and err_auto == err_off
     _, forced = _decode_error(k, v, q, None, None, "1", with_impl=True)
     torch.testing.assert_close(forced.space.k_sub.float(), _mid(k))
     mu = torch.full((H, D), 0.5)
     _, filed = _decode_error(k, v, q, mu, None, "1", with_impl=True)
-    assert not filed._online_center and (filed.space.k_sub == 0.5).all()
+    assert not filed.adaptation.online_center and (filed.space.k_sub == 0.5).all()
     with mock.patch.dict("os.environ", {"NVFP4KV_CENTER_K": "auto"}), \
-            mock.patch.object(backend, "k_transform", lambda layer, dev, cfg: (None, None)):
+            mock.patch.object(adaptation, "k_transform", lambda layer, dev, cfg: (None, None)):
         for kw in ({"sinks": torch.zeros(HQ)}, {"logits_soft_cap": 30.0}):
             impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4", **kw)
-            impl._init_space(SimpleNamespace(layer_name="l0"), k)
-            assert not impl._online_center and impl.space.k_sub is None
+            impl.adaptation.on_first_eager_write(SimpleNamespace(layer_name="l0"), k)
+            assert not impl.adaptation.online_center and impl.space.k_sub is None
     with mock.patch.dict("os.environ", {"NVFP4KV_CENTER_K": "yes"}), \
             pytest.raises(ValueError, match="NVFP4KV_CENTER_K"):
         NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")
@@ -564,12 +566,12 @@ def test_k_outlier_channels_warn_once_per_layer():
     assert k_outlier_ratio(key, padded) is None
     assert k_outlier_ratio(key, torch.arange(8)) > 100
     assert k_outlier_ratio(torch.randn(8, H, 64), torch.arange(8)) < 48
-    with mock.patch.object(backend.logger, "warning") as warn:
-        impl._first_real_batch(layer, key, key, padded)
-        assert not warn.called and not impl._outliers_checked
-        impl._first_real_batch(layer, key, key, torch.arange(8))
+    with mock.patch.object(adaptation.logger, "warning") as warn:
+        impl.adaptation.on_first_real_batch(layer, key, key, padded)
+        assert not warn.called and not impl.adaptation.saw_real_batch
+        impl.adaptation.on_first_real_batch(layer, key, key, torch.arange(8))
         assert warn.call_count == 1 and "outlier" in warn.call_args[0][0]
-        assert impl._outliers_checked
+        assert impl.adaptation.saw_real_batch
 
 
 @pytest.mark.parametrize("rotate_k,chosen", [("0", None), ("1", None), ("auto", True),
@@ -599,15 +601,14 @@ def test_fused_k_write_gives_the_same_cache(device, rotate_k, chosen):
                                     torch.zeros_like(v[:4]).bfloat16(), cache,
                                     torch.full((4,), -1, device=device))
             assert impl.config.fuse_transforms == fused
-            assert device == "cuda" or not impl._fused_k  # decided on a GPU only
+            assert device == "cuda" or not impl.adaptation.fused_k  # decided on a GPU only
             assert (impl.space.k_rot_on is not None) == (rotate_k == "auto")
-            impl._fused_k = fused
-            if chosen is not None:  # as _decide_rotation leaves it
+            impl.adaptation.fused_k = fused
+            if chosen is not None:  # as decide_with_queries leaves it
                 impl.space.choose_rotation(chosen)
-                impl._pending_rotation = None
             impl.do_kv_cache_update(layer, k.bfloat16(), v.bfloat16(), cache,
                                     torch.arange(t, device=device))
-            assert impl._online_center and impl.space.k_sub.abs().max() > 100
+            assert impl.adaptation.online_center and impl.space.k_sub.abs().max() > 100
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])
 

@@ -3,7 +3,7 @@ read the cache do about it (README "Accuracy options"). Each option is a change 
 output cannot see:
 
 * K centering (a scales file from ``python -m vllm_nvfp4kv.calibration --center-k``, or
-  online, ``NVFP4KV_CENTER_K``: the layer's first real batch): K is cached as K - mu, mu a
+  online, option ``center_k``: the layer's first real batch): K is cached as K - mu, mu a
   per-channel constant [Hkv, D] (a mid-range). Every
   score of a query then moves by the same q.mu, which softmax ignores: exact, with no change
   to Q. It removes outlier channels that are a constant offset after RoPE (Qwen2's k_proj
@@ -12,14 +12,14 @@ output cannot see:
 * K smoothing (``--smooth-k``): K is cached as K / s with s a per-channel power of two, and
   every query that reads the cache is multiplied by s, so q.k is unchanged while outlier
   channels no longer own their 16-value blocks. Powers of two: both products exact in BF16.
-* Hadamard rotation of K (``NVFP4KV_ROTATE_K``): K (after centering) and those queries
+* Hadamard rotation of K (option ``rotate_k``): K (after centering) and those queries
   rotated alike. Not with smoothing: rotating smoothed keys undoes the smoothing. By default
   (``auto``) each layer keeps it or not from its first real batch, whichever gives the
   smaller error of that batch's scores q.k through the 4-bit cache (``rotation_helps``):
   the rotation spreads a key's outlier channels over all blocks, which helps where those
   channels carry little of the queries' weight and hurts where they carry much
   (evals/RESULTS.md, Gemma 3).
-* Hadamard rotation of V (``NVFP4KV_ROTATE_V``): attention over rotated V gives the output
+* Hadamard rotation of V (option ``rotate_v``): attention over rotated V gives the output
   rotated; H is its own inverse, so rotating the output again undoes it.
 
 Every key of one softmax must be in the same space: the chunk's own exact keys join a cached
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_nvfp4kv.kernels import reference
 from vllm_nvfp4kv.kernels.rotation import hadamard, rotate
+from vllm_nvfp4kv.ops import fake_quantize
 
 
 @dataclass
@@ -121,8 +121,7 @@ def rotation_errors(q: torch.Tensor, k: torch.Tensor, k_scale, block_scales: str
     group = q.shape[1] // k.shape[1]
     out = {}
     for tag, (x, qx) in (("plain", (k, q)), ("rot", (rotate(k), rotate(q)))):
-        data, s = reference.quantize(x, k_scale, block_scales)
-        e = reference.dequantize(data, s, k_scale) - x
+        e = fake_quantize(x, k_scale, block_scales) - x
         out[f"k_{tag}"] = float(e.pow(2).sum())
         out[f"score_{tag}"] = float(torch.einsum("thd,shd->hts", qx, e.repeat_interleave(
             group, 1)).pow(2).sum())

@@ -66,7 +66,7 @@ import torch
 from .config import SECTION, NvFp4KVConfig
 from .kernels.format import E2M1_MAX, E4M3_MAX
 from .kernels.global_scale import calibrate_global_scales
-from .kernels.reference import masked_amax, scale_from_amax  # the rule, in plain torch
+from .ops import masked_amax, scale_from_amax  # the rule, in plain torch
 from .scales import check_scales, k_center_and_smoothing
 
 RANGE = E2M1_MAX * E4M3_MAX        # 2688: the largest |value| a block can hold at g = 1

@@ -8,7 +8,8 @@
   prefix longer than the workspace is attended in pieces merged by LSE.
 
 Planning (index math, rounds, device index tensors) happens once per step in the metadata
-builder (``plan_prefill``); the per-layer path (``run_prefill``) only launches kernels.
+builder (``plan_prefill``); the per-layer path (``run_prefill``) only launches kernels
+(``ops``: Triton / FlashAttention on CUDA, the torch references elsewhere).
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_nvfp4kv.dense_attention import dense_attention, merge_lse, to_fp8
+from vllm_nvfp4kv import ops
 from vllm_nvfp4kv.cache_space import CacheSpace
-from vllm_nvfp4kv.kernels import gather_cache, put_rows, reference
+from vllm_nvfp4kv.dense_attention import merge_lse, to_fp8
+from vllm_nvfp4kv.ops import AttentionParams, dense_attention
 from vllm_nvfp4kv.workspace import FP8_DIV
 
 
@@ -59,6 +61,24 @@ class PrefillPlan:
     rounds: list[Round]
     long: list[LongPrefix]
     ws_rows: int  # workspace rows this step uses (<= capacity)
+
+
+@dataclass
+class PrefillInputs:
+    """One layer's prefill of one step besides its plan: the step's rows as the model has
+    them, the cache and workspace, the layer's attention and cache space."""
+    q: torch.Tensor            # [T, Hq, D] the step's query rows
+    key: torch.Tensor          # [T, Hkv, D]
+    value: torch.Tensor        # [T, Hkv, D]
+    out: torch.Tensor          # [T, Hq, D], written (the prefill rows)
+    kv_cache: torch.Tensor     # [num_blocks, 2 Hkv, N, D/2 + D/16] uint8
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    ws_k: torch.Tensor         # [rows, Hkv, D] the shared workspace (model dtype or FP8)
+    ws_v: torch.Tensor
+    k_scale: torch.Tensor      # [1] fp32 global scales
+    v_scale: torch.Tensor
+    attn: AttentionParams
+    space: CacheSpace = field(default_factory=CacheSpace)  # what the cache stores
 
 
 def _i32(xs, device) -> torch.Tensor:
@@ -161,50 +181,23 @@ def _long_tensors(lp: LongPrefix, device) -> dict:
 
 def gather_into(kv_cache, block_table, cu_ctx, ctx_starts, ctx_dst, ws_k, ws_v, k_scale,
                 v_scale, max_ctx, head_size) -> None:
-    """Dequantize prefixes into workspace rows: the Triton kernel on CUDA, the reference on
-    the CPU. An FP8 workspace gets (e2m1 * e4m3) / FP8_DIV: the global scales go to the
-    attention's descale (Workspace.descale)."""
+    """Dequantize prefixes into workspace rows (ops.gather_cache). An FP8 workspace gets
+    (e2m1 * e4m3) / FP8_DIV: the global scales go to the attention's descale."""
     fp8 = ws_k.dtype == torch.float8_e4m3fn
     if fp8:
         k_scale = v_scale = torch.ones_like(k_scale)
-    if kv_cache.is_cuda:
-        gather_cache(kv_cache, block_table, cu_ctx, ctx_starts, ws_k, ws_v, k_scale, v_scale,
+    ops.gather_cache(kv_cache, block_table, cu_ctx, ctx_starts, ws_k, ws_v, k_scale, v_scale,
                      max_ctx, out_div=FP8_DIV if fp8 else 1.0, out_starts=ctx_dst)
-        return
-    k, v = reference.gather_cache(kv_cache, block_table, cu_ctx, ctx_starts, head_size,
-                                  k_scale, v_scale)
-    if fp8:
-        k, v = k / FP8_DIV, v / FP8_DIV
-    rows = ranges(ctx_dst, cu_ctx[1:] - cu_ctx[:-1])
-    _copy_rows(ws_k, rows, k)
-    _copy_rows(ws_v, rows, v)
-
-
-def _copy_rows(ws: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
-    """ws[rows] = x in ws's dtype (FP8 through a byte view: no CPU index_copy_ for FP8)."""
-    x = x.to(ws.dtype)
-    if ws.dtype == torch.float8_e4m3fn:
-        ws, x = ws.view(torch.uint8), x.view(torch.uint8)
-    ws.index_copy_(0, rows, x)
 
 
 def _put_chunk(k, v, rows, ws_k, ws_v, space: CacheSpace, k_div, v_div,
                kernel: bool | None = None) -> None:
     """The chunk's exact K/V [T, Hkv, D], made finite and taken into the cache's space, into
-    workspace rows (FP8: divided by k_div / v_div). On CUDA (kernel: default k.is_cuda; the
-    tests also run it in Triton's interpreter) one put_rows launch per side does all of it (it
-    replaced nan_to_num, the centering, the rotation GEMM and index_copy: five launches for
-    K); elsewhere, or for a head_dim that is not a power of two, torch."""
-    d = k.shape[-1]
-    if (k.is_cuda if kernel is None else kernel) and d & (d - 1) == 0:
-        put_rows(k, rows, ws_k, space.k_sub, space.k_mul, space.k_rotation(), k_div)
-        put_rows(v, rows, ws_v, rotate=space.rotate_v, out_div=v_div)
-        return
-    kc, vc = space.key(_finite(k)), space.value(_finite(v))
-    if k_div is not None:
-        kc, vc = to_fp8(kc, k_div), to_fp8(vc, v_div)
-    _copy_rows(ws_k, rows, kc)
-    _copy_rows(ws_v, rows, vc)
+    workspace rows (FP8: divided by k_div / v_div): ops.put_rows, one launch per side on CUDA
+    (it replaced nan_to_num, the centering, the rotation GEMM and index_copy: five launches
+    for K). kernel: as ops.put_rows (the tests run the kernel in Triton's interpreter)."""
+    ops.put_rows(k, rows, ws_k, space.k_sub, space.k_mul, space.k_rotation(), k_div, kernel)
+    ops.put_rows(v, rows, ws_v, None, None, space.rotate_v, v_div, kernel)
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -220,79 +213,79 @@ def _fp8_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(q, q_div), q_div
 
 
-def run_prefill(plan: PrefillPlan, q, key, value, out, kv_cache, block_table, ws_k, ws_v,
-                k_scale, v_scale, scale, window, softcap, sinks, fa_version,
-                space: CacheSpace = CacheSpace()) -> None:
-    """Attention of the prefill query rows (per-layer; only launches). q, key, value, out as
-    the model has them; space: what the cache stores instead (centered / smoothed / rotated
-    K, rotated V), so where it is read, q and the chunk's K/V are transformed alike and the
-    output taken back. Path 1 reads no cache: it attends the exact K/V as they are."""
-    d = q.shape[-1]
+def run_prefill(plan: PrefillPlan, x: PrefillInputs) -> None:
+    """Attention of the prefill query rows (per-layer; only launches). x.q, x.key, x.value,
+    x.out as the model has them; x.space: what the cache stores instead (centered / smoothed /
+    rotated K, rotated V), so where it is read, q and the chunk's K/V are transformed alike
+    and the output taken back. Path 1 reads no cache: it attends the exact K/V as they are."""
+    a = x.attn
     # The step's exact K/V as the cache stores them (NaN -> 0, +-Inf -> finite): varlen FA
     # reads K/V tiles across sequence boundaries and zeroes the masked scores, so a NaN or
     # Inf V row of one request would turn into 0 * NaN = NaN in its neighbour's output.
     # Only for the paths that attend them as they are; _put_chunk does it for the others.
+    key, value = x.key, x.value
     if plan.long or any(rnd.ws_tokens == 0 for rnd in plan.rounds):
         key, value = _finite(key), _finite(value)
-    fp8 = ws_k.dtype == torch.float8_e4m3fn
+    fp8 = x.ws_k.dtype == torch.float8_e4m3fn
     if fp8:  # what the FP8 workspace values are multiplied by (gather_into)
-        k_div, v_div = k_scale * FP8_DIV, v_scale * FP8_DIV
+        k_div, v_div = x.k_scale * FP8_DIV, x.v_scale * FP8_DIV
     for rnd in plan.rounds:
-        qs, os = q[rnd.t0:rnd.t1], out[rnd.t0:rnd.t1]
+        qs, os = x.q[rnd.t0:rnd.t1], x.out[rnd.t0:rnd.t1]
         descale = None
         if rnd.ws_tokens == 0:  # path 1: the step's own K/V
             k, v = key[rnd.t0:rnd.t1], value[rnd.t0:rnd.t1]
         else:                   # path 2: cached prefixes + chunk in the workspace
-            gather_into(kv_cache, block_table[rnd.r0:rnd.r1], rnd.cu_ctx, rnd.ctx_starts,
-                        rnd.ctx_dst, ws_k, ws_v, k_scale, v_scale, rnd.max_ctx, d)
-            qs = space.query(qs)
+            gather_into(x.kv_cache, x.block_table[rnd.r0:rnd.r1], rnd.cu_ctx, rnd.ctx_starts,
+                        rnd.ctx_dst, x.ws_k, x.ws_v, x.k_scale, x.v_scale, rnd.max_ctx,
+                        x.q.shape[-1])
+            qs = x.space.query(qs)
             if rnd.chunk_dst is not None:  # the chunk's exact K/V join the prefix
-                _put_chunk(key[rnd.t0:rnd.t1], value[rnd.t0:rnd.t1], rnd.chunk_dst, ws_k,
-                           ws_v, space, *((k_div, v_div) if fp8 else (None, None)))
-            k, v = ws_k[:rnd.ws_tokens], ws_v[:rnd.ws_tokens]
+                _put_chunk(key[rnd.t0:rnd.t1], value[rnd.t0:rnd.t1], rnd.chunk_dst, x.ws_k,
+                           x.ws_v, x.space, *((k_div, v_div) if fp8 else (None, None)))
+            k, v = x.ws_k[:rnd.ws_tokens], x.ws_v[:rnd.ws_tokens]
             if fp8:  # FA3 FP8 takes all of Q, K, V in FP8
                 qs, q_div = _fp8_query(qs)
                 descale = (q_div, k_div, v_div)
-        dense_attention(qs, k, v, os, rnd.cu_q, rnd.cu_k, rnd.max_q, rnd.max_k, scale, True,
-                        window, softcap, sinks, fa_version, rnd.cu_q_cpu, rnd.cu_k_cpu,
+        dense_attention(qs, k, v, os, rnd.cu_q, rnd.cu_k, rnd.max_q, rnd.max_k, a.scale, True,
+                        a.window, a.softcap, a.sinks, a.fa_version, rnd.cu_q_cpu, rnd.cu_k_cpu,
                         descale=descale)
-        if rnd.ws_tokens and space.rotate_v:
-            os.copy_(space.output(os))
+        if rnd.ws_tokens and x.space.rotate_v:
+            os.copy_(x.space.output(os))
     for lp in plan.long:
-        _run_long(lp, q, key, value, out, kv_cache, block_table, ws_k, ws_v, k_scale, v_scale,
-                  scale, softcap, sinks, fa_version, space)
+        _run_long(lp, x, key, value)
 
 
-def _run_long(lp, q, key, value, out, kv_cache, block_table, ws_k, ws_v, k_scale, v_scale,
-              scale, softcap, sinks, fa_version, space: CacheSpace) -> None:
+def _run_long(lp: LongPrefix, x: PrefillInputs, key: torch.Tensor, value: torch.Tensor) -> None:
     """Prefix pieces (all keys precede all queries: no mask) and the chunk itself (causal,
-    with the sinks), merged by LSE, all in the cache's space (run_prefill)."""
-    qs, q_len, d = space.query(q[lp.t0:lp.t1]), lp.t1 - lp.t0, q.shape[-1]
+    with the sinks), merged by LSE, all in the cache's space (run_prefill). key / value: the
+    step's, made finite."""
+    a, space = x.attn, x.space
+    qs, q_len, d = space.query(x.q[lp.t0:lp.t1]), lp.t1 - lp.t0, x.q.shape[-1]
     t = lp.tensors
     k, v = space.key(key[lp.t0:lp.t1]), space.value(value[lp.t0:lp.t1])
     if lp.chunk_from_cache:
-        gather_into(kv_cache, block_table[lp.r:lp.r + 1], t["cu_q"], t["chunk_start"],
-                    t["cu_q"][:1], ws_k, ws_v, k_scale, v_scale, q_len, d)
-        k, v = ws_k[:q_len].clone(), ws_v[:q_len].clone()  # the pieces reuse the workspace
+        gather_into(x.kv_cache, x.block_table[lp.r:lp.r + 1], t["cu_q"], t["chunk_start"],
+                    t["cu_q"][:1], x.ws_k, x.ws_v, x.k_scale, x.v_scale, q_len, d)
+        k, v = x.ws_k[:q_len].clone(), x.ws_v[:q_len].clone()  # the pieces reuse the workspace
         if k.dtype == torch.float8_e4m3fn:  # this call attends in the model dtype
-            k = (k.float() * (k_scale * FP8_DIV)).to(qs.dtype)
-            v = (v.float() * (v_scale * FP8_DIV)).to(qs.dtype)
+            k = (k.float() * (x.k_scale * FP8_DIV)).to(qs.dtype)
+            v = (v.float() * (x.v_scale * FP8_DIV)).to(qs.dtype)
     acc = torch.empty_like(qs)
-    lse = dense_attention(qs, k, v, acc, t["cu_q"], t["cu_q"],
-                          q_len, q_len, scale, True, None, softcap, sinks, fa_version,
-                          t["cu_q_cpu"], t["cu_q_cpu"], return_lse=True)
+    lse = dense_attention(qs, k, v, acc, t["cu_q"], t["cu_q"], q_len, q_len, a.scale, True,
+                          None, a.softcap, a.sinks, a.fa_version, t["cu_q_cpu"], t["cu_q_cpu"],
+                          return_lse=True)
     acc = acc.float()
     part = torch.empty_like(qs)
     qp, descale = qs, None
-    if ws_k.dtype == torch.float8_e4m3fn:  # as in run_prefill
+    if x.ws_k.dtype == torch.float8_e4m3fn:  # as in run_prefill
         qp, q_div = _fp8_query(qs)
-        descale = (q_div, k_scale * FP8_DIV, v_scale * FP8_DIV)
+        descale = (q_div, x.k_scale * FP8_DIV, x.v_scale * FP8_DIV)
     for s, n in lp.pieces:
         cu_k, cu_k_cpu, start = t[(s, n)]
-        gather_into(kv_cache, block_table[lp.r:lp.r + 1], cu_k, start, cu_k[:1], ws_k, ws_v,
-                    k_scale, v_scale, n, d)
-        plse = dense_attention(qp, ws_k[:n], ws_v[:n], part, t["cu_q"], cu_k, q_len, n, scale,
-                               False, None, softcap, None, fa_version, t["cu_q_cpu"], cu_k_cpu,
-                               return_lse=True, descale=descale)
+        gather_into(x.kv_cache, x.block_table[lp.r:lp.r + 1], cu_k, start, cu_k[:1], x.ws_k,
+                    x.ws_v, x.k_scale, x.v_scale, n, d)
+        plse = dense_attention(qp, x.ws_k[:n], x.ws_v[:n], part, t["cu_q"], cu_k, q_len, n,
+                               a.scale, False, None, a.softcap, None, a.fa_version,
+                               t["cu_q_cpu"], cu_k_cpu, return_lse=True, descale=descale)
         acc, lse = merge_lse(acc, lse, part, plse)
-    out[lp.t0:lp.t1] = space.output(acc.to(out.dtype))
+    x.out[lp.t0:lp.t1] = space.output(acc.to(x.out.dtype))
