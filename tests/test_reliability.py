@@ -1053,6 +1053,34 @@ def test_decode_variant_sets_the_split_rule():
     assert rule(nvfp4kv={"decode_variant": "per_sm8"}) == "per_sm8"  # what evals pass
 
 
+def test_decode_splits_of_sliding_window_layers_are_sized_by_the_window():
+    """A decode of a sliding-window layer reads at most `window` keys (the kernel's splits
+    start at the window), so its split-KV count is sized from min(max_model_len, window):
+    at least 256 keys per split (kernels.decode.clamp_splits), not 256 of max_model_len's."""
+    pytest.importorskip("vllm")
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, SlidingWindowSpec,
+                                            get_kv_quant_mode)
+    from vllm_nvfp4kv.backend import NvFp4MetadataBuilder
+    from vllm_nvfp4kv.kernels.decode import choose_num_splits
+    cfg = VllmConfig(model_config=ModelConfig(model=TINY, skip_tokenizer_init=True,
+                                              max_model_len=2048))
+    kw = dict(num_kv_heads=1, head_size=128, dtype=torch.uint8,
+              kv_quant_mode=get_kv_quant_mode("nvfp4"))
+    cpu = torch.device("cpu")
+    full = NvFp4MetadataBuilder(FullAttentionSpec(16, **kw), ["l0"], cfg, cpu)
+    local = NvFp4MetadataBuilder(SlidingWindowSpec(16, sliding_window=512, **kw), ["l1"], cfg,
+                                 cpu)
+    # one decode (a duck-typed CommonAttentionMetadata: what a decode-only build reads)
+    step = SimpleNamespace(max_query_len=1, num_reqs=1, num_actual_tokens=1,
+                           query_start_loc_cpu=torch.tensor([0, 1], dtype=torch.int32),
+                           seq_lens=torch.tensor([2000], dtype=torch.int32),
+                           block_table_tensor=torch.zeros(1, 128, dtype=torch.int32))
+    splits = [b.build(0, step).decode_num_splits for b in (full, local)]
+    # batch 1 on a CPU (8 "SMs"): the rule wants 64 splits, 2048 keys allow 8, 512 only 2
+    assert splits == [choose_num_splits(1, 1, n, cpu, 128) for n in (2048, 512)] == [8, 2]
+
+
 def test_engine_refuses_bad_head_size_and_block_size(sharp_model):
     """vLLM's CPU engine (LLM(...), in this process) with kv_cache_dtype nvfp4 fails at
     startup, before serving anything, with the plugin's reason and way out: head_dim 72 (a

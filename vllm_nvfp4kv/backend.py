@@ -174,7 +174,10 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         self.num_kv_heads = kv_cache_spec.num_kv_heads
         self.head_size = kv_cache_spec.head_size
         self.window = getattr(kv_cache_spec, "sliding_window", None)
-        self.max_model_len = vllm_config.model_config.max_model_len
+        # the most keys one decode reads (what the split count is sized for): a sliding
+        # window bounds them
+        max_len = vllm_config.model_config.max_model_len
+        self.max_keys = min(max_len, self.window) if self.window else max_len
         self.capacity = workspace_capacity(vllm_config, self.window, cfg.workspace_prefix_tokens)
         self.prefill_from_cache = cfg.prefill_from_cache
         self.split_rule = DECODE_VARIANTS[cfg.decode_variant].get("split_rule",
@@ -198,7 +201,7 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
                                 num_decodes + num_prefills, self.capacity, self.window,
                                 self.device, self.prefill_from_cache)
         # split count from the batch shape only: valid for every replay of a captured graph
-        splits = choose_num_splits(max(num_decodes, 1), self.num_kv_heads, self.max_model_len,
+        splits = choose_num_splits(max(num_decodes, 1), self.num_kv_heads, self.max_keys,
                                    self.device, self.head_size, self.split_rule)
         return NvFp4Metadata(
             num_actual_tokens=cam.num_actual_tokens, num_decodes=num_decodes,
