@@ -590,17 +590,16 @@ def ours_prefill_fn(pp: PrefillProblem, cache, ws, fa_version=3):
     """vllm_nvfp4kv.prefill.run_prefill for the step (planned once, as the metadata builder
     does): gather-dequant of the prefixes into the workspace, the chunks' exact K/V after them,
     one varlen attention (module-level dense_attention)."""
-    from vllm_nvfp4kv.cache_space import CacheSpace
-    from vllm_nvfp4kv.prefill import plan_prefill, run_prefill
+    from vllm_nvfp4kv.ops import AttentionParams
+    from vllm_nvfp4kv.prefill import PrefillInputs, plan_prefill, run_prefill
     cu_q = torch.tensor(pp.cu_q)
     plan = plan_prefill(cu_q, torch.tensor(pp.seq_lens), 0, pp.batch, ws[0].shape[0], None,
                         pp.device)
     one = torch.ones(1, dtype=torch.float32, device=pp.device)
     out = torch.empty_like(pp.q)
-    space = CacheSpace()
-    return (lambda: run_prefill(plan, pp.q, pp.key, pp.value, out, cache, pp.block_table,
-                                ws[0], ws[1], one, one, pp.scale, None, 0.0, None, fa_version,
-                                space)), out, plan
+    inputs = PrefillInputs(pp.q, pp.key, pp.value, out, cache, pp.block_table, ws[0], ws[1],
+                           one, one, AttentionParams(pp.scale, fa_version=fa_version))
+    return (lambda: run_prefill(plan, inputs)), out, plan
 
 
 def eager_ms(fn) -> float:

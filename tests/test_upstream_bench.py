@@ -218,3 +218,18 @@ def test_table_and_plot(tmp_path, capsys):
     assert "| 128 | 4 | 32K | 50.0 | 90.0 | 1.80 |" in out and "1 x (8K + 2048)" in out
     B.plot(res, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_ours_prefill_fn_matches_the_paged_reference():
+    """The bench's call of our chunked prefill (run_prefill over the cached prefix and the
+    chunk), on the CPU where it runs the torch references."""
+    pp = B.PrefillProblem(1, 48, 16, 4, 2, 64, 16, "cpu")
+    cache = torch.zeros(kv_cache_shape(pp.num_blocks, pp.page, pp.hkv, pp.d), dtype=torch.uint8)
+    pp.fill(lambda k, v, s: reference.write_cache(cache, k, v, s, 1.0, 1.0, "amax6"))
+    ws = tuple(torch.empty(pp.seq, pp.hkv, pp.d, dtype=torch.bfloat16) for _ in range(2))
+    fn, out, _ = B.ours_prefill_fn(pp, cache, ws, fa_version=None)
+    fn()
+    read = lambda blk, off: reference.dequantize_rows(cache, blk, off, pp.d, 1.0, 1.0)  # noqa: E731
+    ref = B.paged_reference(pp.q, read, pp.block_table, pp.cu_q, pp.seq_lens, pp.page, pp.scale,
+                            (pp.key, pp.value))
+    assert B.rel_err(out, ref) < 2e-2
