@@ -25,8 +25,12 @@ demo: .venv-$(DEMO_LINE)/ready
 
 test: test-0.26 test-0.32 wheel-check
 
-test-%: .venv-%/ready
-	.venv-$*/bin/python -m pytest -q
+# explicit rules: make skips the implicit-rule search for .PHONY targets, so a pattern rule
+# `test-%` would never run
+test-0.26: .venv-0.26/ready
+	.venv-0.26/bin/python -m pytest -q
+test-0.32: .venv-0.32/ready
+	.venv-0.32/bin/python -m pytest -q
 
 $(UV):
 	$(PYTHON) -m venv .uvtool && .uvtool/bin/pip install -q uv

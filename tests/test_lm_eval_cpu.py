@@ -17,23 +17,11 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 from evals import lm_eval_kv  # noqa: E402
 
 EXTRA = "enforce_eager=True,kv_cache_memory_bytes=134217728"
-# MMLU's first shuffled question (395 tokens), scored on the CPU engine (2026-12-04, vLLM
-# 0.26.0 CPU, 2-core x86): loglikelihoods of " A" .. " D". Logits are BF16 (spacing 0.125 at
-# |logit| 16-32), so the tolerance is one BF16 step: a stability check, not bit-exactness.
-# NVFP4 differs from BF16 by up to 0.5 here, far more than TOL: the cache was read.
-MMLU_DOC0 = {"auto": [-1.2190688848495483, -1.5940688848495483, -1.0940688848495483,
-                      -1.8440688848495483],
-             # re-pinned 2026-12-04 when an initial prefill stopped rotating its exact K/V
-             # (same math, other roundings), and again when K's rotation became a per-layer
-             # choice (NVFP4KV_ROTATE_K=auto; SmolLM2 drops it in a few layers): on this 135M
-             # model one question's log-likelihoods under a 4-bit cache move by up to 0.4
-             # nats from such changes
-             "nvfp4": [-1.3313040733337402, -1.4563040733337402, -0.9563040137290955,
-                       -2.2063040733337402]}
-# On another 2-core x86 (2026-12-05, AMX-BF16, whose oneDNN kernels round differently) BF16
-# moved by 0.11 and NVFP4, whose 4-bit cache amplifies such roundings, by 0.27: NVFP4's
-# tolerance is wider (still well below what an unread or garbled cache moves: several nats)
-TOL = {"auto": 0.13, "nvfp4": 0.35}
+# MMLU's first question: NVFP4's log-likelihoods of " A" .. " D" against BF16's of the same
+# run. A 4-bit cache moves them (up to 0.5 nats seen on this 135M model); an unread or garbled
+# cache would move them by several. Compared within one run, not against pinned numbers:
+# CPUs with and without AVX-512/AMX round BF16 differently (0.1-0.3 nats here).
+MAX_NATS_FROM_BF16 = 1.5
 
 
 def _need(mod: str) -> None:
@@ -43,7 +31,7 @@ def _need(mod: str) -> None:
 
 @pytest.fixture(scope="module")
 def model():
-    import assets
+    from evals import assets
     return str(assets.smollm2())
 
 
@@ -87,8 +75,9 @@ def test_mmlu_reads_the_nvfp4_cache(tmp_path, model):
         assert "long_prefill_token_threshold=64" in r["model_args"]
         best = lm_eval_kv.prediction(r["per_doc_resps"][0])
         assert r["per_doc"] == [float(best == doc0["label"])] == [r["accuracy"]]
-        pinned, tol = MMLU_DOC0[r["kv_dtype"]], TOL[r["kv_dtype"]]
-        assert max(abs(x - y) for x, y in zip(r["per_doc_resps"][0], pinned)) <= tol
+    bf16, nvfp4 = (r["per_doc_resps"][0] for r in rows)
+    moved = max(abs(x - y) for x, y in zip(bf16, nvfp4))
+    assert 0 < moved <= MAX_NATS_FROM_BF16, (bf16, nvfp4)
     # the scored chunk attended over the request's earlier tokens read back from the cache
     from transformers import AutoTokenizer
     n_tokens = len(AutoTokenizer.from_pretrained(model)(doc0["prompt"] + " A")["input_ids"])
