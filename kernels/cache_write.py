@@ -16,9 +16,10 @@ E4M3_MAX_CODE = tl.constexpr(_E4M3_MAX_CODE)  # a constexpr: jit code reads only
 # Compiled without fused multiply-add (Triton contracts a*b+c by default): e2m1_round's add
 # must see x * (1/scale) rounded to fp32, as the reference computes it. An fma rounds the exact
 # product instead and settles values whose rounded product is an E2M1 tie by the reciprocal's
-# rounding error, not to the even code: 0.1-1% of bf16 values (an H100 run, 2026-12-06).
-# Costs 0-8% more instructions (sm_90 search, tokens_per_program 1/2: 1,440 -> 1,488, 988 ->
-# 1,048) and 0-4% of the time (an H100, evals/results/write_h100_bt*.json).
+# rounding error, not to the even code: 0.1-1% of bf16 values, so the codes would differ
+# from the reference's. Costs 0-8% more instructions (sm_90 search, tokens_per_program 1/2:
+# 1,440 -> 1,488, 988 -> 1,048) and 0-4% of the time (evals/RESULTS.md, "KV fidelity at a
+# glance").
 WRITE_COMPILE_OPTIONS = dict(num_warps=1, enable_fp_fusion=False)
 
 
@@ -181,7 +182,7 @@ def tokens_per_program_for(tokens: int, kv_heads: int, block_scales: str) -> int
     decode step's: latency-bound, the shortest program wins) and for amax6, two beyond for the
     rules that try several scales (prefill: instruction-bound; two tokens per program cost
     ~30% fewer instructions per block, four cost fewer still but hold 115 registers a thread,
-    too few warps to hide latency). From evals/results/write_h100_bt.json (H100)."""
+    too few warps to hide latency on Hopper)."""
     return 2 if tokens * kv_heads > 4096 and block_scales != "amax6" else 1
 
 

@@ -251,20 +251,21 @@ class HopperLaunch:
 # Launch variants, A/B'd by evals/bench_decode.py --ab and chosen in the backend by
 # NVFP4KV_DECODE_VARIANT. The default on Hopper at D = 128 decodes V^T straight into the MMA
 # operand (mma_v); "v_rows" decodes V in rows and transposes it through shared memory (P.V
-# in head-dim halves): 0.60-0.77x FA3 FP8 against the then default's 1.14-1.36x on the H200
-# (2026-12-05, decode_ab_h200_coalesced.json). Variants with Q.K^T in halves and registers
-# capped at 128/96 (4-5 programs per SM instead of 3) ran 7-28% slower and were removed
-# (evals/RESULTS.md, "What bounds it"). The default loads the block-table entries a tile
-# ahead with 4 stages, so Triton's pipeliner keeps 2 tiles' copies in flight across the loop
-# top; "bt_ahead_s3" keeps 1, "drain" none (decode_ab_h200_bt_ahead.json).
+# in head-dim halves): 0.60-0.77x the speed of FA3 FP8 where mma_v runs at 1.14-1.36x (both
+# without bt_ahead). Q.K^T in halves with registers capped at 128/96 (4-5 programs per SM
+# instead of 3) is 7-28% slower, so no variant keeps it (evals/RESULTS.md, "What bounds
+# it"). The default loads the block-table entries a tile ahead with 4 stages, so Triton's
+# pipeliner keeps 2 tiles' copies in flight across the loop top; "bt_ahead_s3" keeps 1,
+# "drain" none.
 DECODE_VARIANTS = {
     "default": {},
-    # the default before 2026-12-05: block-table entries in the tile's own iteration, so
-    # Triton drains the K/V copies every tile (1.13-1.19x slower on the H200 at batch >= 4)
+    # block-table entries loaded in the tile's own iteration, so Triton drains the K/V
+    # copies every tile (1.13-1.19x slower than the default on Hopper at batch >= 4)
     "drain": dict(bt_ahead=False, num_stages=2),
     "v_rows": dict(mma_v=False, bt_ahead=False, num_stages=2),
     "bt_ahead_s3": dict(bt_ahead=True, num_stages=3),
-    # the split-KV count and tile size before 2026-12-06 (choose_num_splits)
+    # about 8 programs per SM and 64-token tiles from 16 splits up on Hopper too: the
+    # split rule of other GPUs and head sizes (choose_num_splits)
     "per_sm8": dict(split_rule="per_sm8"),
     # other Hopper launches at D = 64 and 256 (HOPPER_LAUNCHES; the split count follows the
     # variant's programs per SM where decode_attention chooses it, as bench_decode does; the
@@ -276,8 +277,8 @@ DECODE_VARIANTS = {
     "d64_bn64": dict(launches={64: HopperLaunch(64, 6)}),
     "d64_bn256": dict(launches={64: HopperLaunch(256, 2)}),
     "d256_uncapped": dict(launches={256: HopperLaunch(64, 2)}),
-    # the split cap before small grids took up to 128 splits (max_splits): 64 at every grid
-    # (a split rule: the backend's metadata builder follows it too)
+    # at most 64 splits at every grid, small ones included (max_splits; a split rule: the
+    # backend's metadata builder follows it too)
     "cap64": dict(split_rule="waves_cap64"),
 }
 
@@ -314,14 +315,14 @@ def _num_sms(device: torch.device) -> int:
 # D = 128: 165 registers x 128 threads and 62 KB of shared memory allow 3. D = 64: 103 and
 # 33 KB allow 4 (128-token tiles: 0.30 warp-instructions per KV byte in the loop, 0.37 at 64,
 # evals/profile_decode.py). D = 256: 64-token tiles (128 need 250 registers), 179 registers
-# uncapped (2 programs), 168 capped without a spill (3), 64 KB. Timed at D = 128 only
-# (2026-12-06); the others are the same rule on the static figures (DECODE_VARIANTS A/B them).
+# uncapped (2 programs), 168 capped without a spill (3), 64 KB. Timed at D = 128 only; the
+# others are the same rule on the static figures (DECODE_VARIANTS A/B them).
 HOPPER_LAUNCHES = {64: HopperLaunch(128, 4), 128: HopperLaunch(128, 3),
                    256: HopperLaunch(64, 3, 168)}
 HOPPER_PROGRAMS_PER_SM = HOPPER_LAUNCHES[128].programs_per_sm
 # how the split-KV count and tile size are chosen where the caller gives none: "waves" (one
-# wave of programs on Hopper, since 2026-12-06), "waves_cap64" (the same, at most 64 splits
-# at every grid: max_splits) or "per_sm8" (before; DECODE_VARIANTS)
+# wave of resident programs on Hopper), "waves_cap64" (the same, at most 64 splits at every
+# grid: max_splits) or "per_sm8" (about 8 programs per SM everywhere; DECODE_VARIANTS)
 DEFAULT_SPLIT_RULE = "waves"
 WAVE_RULES = ("waves", "waves_cap64")
 
@@ -330,9 +331,9 @@ WAVE_RULES = ("waves", "waves_cap64")
 # heads >= 7 at D = 128. A grid of at most 3 (D = 128, 256; 4 at D = 64, on 132 SMs: batch
 # 1 of a model with few KV heads) would fill at most half of that wave with 64 splits: the
 # idle SMs add no bandwidth, and the step takes one split's serial pass over 1/64 of the
-# tokens. There up to 128 splits: on an H200, 128 decoded 1.1-1.7x faster than 64 at batch
-# 1 with 1-3 KV heads (D = 64 and 256, 32K-128K tokens), while 99 instead of 64 at 4 x 1
-# KV heads (D = 256, 64 already filling 65% of the wave) were no faster. Past 64 splits
+# tokens. There up to 128 splits: 128 decode 1.1-1.7x faster than 64 at batch 1 with 1-3
+# KV heads (D = 64 and 256, 32K-128K tokens), while 99 instead of 64 at 4 x 1 KV heads
+# (D = 256, 64 already filling 65% of the wave) are no faster. Past 64 splits
 # the reduction sums the partials in chunks (_reduce_kernel: 128 x 256 at once spill).
 MAX_SPLITS = 64
 SMALL_GRID_MAX_SPLITS = 128
@@ -375,13 +376,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
     max_splits' cap (64; 128 where 64 fill at most half of one wave). On Hopper at D = 64,
     128, 256, where one wave of resident programs (HOPPER_LAUNCHES: 3 or 4 per SM) gives
     each KV head of the batch 4 or more splits (batch x KV heads <= 99 on 132 SMs at 3): as
-    many as fill that one wave. A grid of 1.05-1.5 waves ran up to 1.3x slower
-    than one whole wave, and the rule below gave 1.3-2.7 waves at batch 1-8 (H100 split
-    sweeps at D = 128, 2026-12-06, evals/RESULTS.md). Larger batches, where one wave would
-    leave each head 1-3 long splits (1-8% slower than more waves), head sizes without a wgmma
-    decoder (80, 96) and other GPUs (untimed), and rule "per_sm8" (the rule everywhere before
-    2026-12-06; DECODE_VARIANTS): about 8 programs per SM (the H200 sweep of an older kernel,
-    2026-12-04).
+    many as fill that one wave: a grid of 1.05-1.5 waves leaves most SMs idle for its last
+    part and runs up to 1.3x slower than one whole wave, and 8 programs per SM would give
+    1.3-2.7 waves at batch 1-8 (D = 128; evals/RESULTS.md, "Decode attention kernel").
+    Larger batches, where one wave would leave each head 1-3 long splits (1-8% slower than
+    more waves), head sizes without a wgmma decoder (80, 96), other GPUs (untimed) and rule
+    "per_sm8" (DECODE_VARIANTS): about 8 programs per SM.
     launches: replacements of HOPPER_LAUNCHES (hopper_launch)."""
     programs = max(1, batch * num_kv_heads)
     sms = _num_sms(device)
@@ -395,9 +395,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
 def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,
                    rule: str = DEFAULT_SPLIT_RULE, launches: dict | None = None) -> int:
     """Tokens per tile: HOPPER_LAUNCHES' on Hopper (D = 128: 128, as fast as 64 or faster at
-    110 of 116 split counts of the 2026-12-06 sweeps, at most 6% slower at the others);
-    elsewhere, and under rule "per_sm8", short splits take 64 (an H200 with an older kernel,
-    bench_decode --tune)."""
+    110 of 116 split counts timed, at most 6% slower at the others); elsewhere, and under
+    rule "per_sm8", 128 below 16 splits and 64 from 16 splits up (bench_decode --tune)."""
     launch = _wave_launch(device, head_dim, rule, launches)
     if launch:
         return launch.block_n
@@ -426,7 +425,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     Hopper (has_wgmma) where it applies: D = 64, 128 or 256, 4 or 8 warps, tiles of at least
     16 tokens per warp).
     v_halves (default): where V is decoded in rows, P.V in two halves of the head dim, so V^T's
-    shared-memory staging is half as large (3-5% faster than the full width on the H200).
+    shared-memory staging is half as large (3-5% faster than the full width on Hopper).
     mma_v: decode V^T straight into the MMA's register layout (codec.load_vt_mma; default
     where K is (mma_k) and the launch has 4 warps; at D = 64 on Hopper only).
     bt_ahead: load each tile's block-table entries one tile ahead, so the K/V byte loads no
@@ -434,10 +433,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     tiles in flight instead of draining every tile (with num_stages >= 3; evals/RESULTS.md,
     "What bounds it"). Default: on, with 4 stages, where K and V^T are decoded into the MMA
     layouts in tiles of <= 128 tokens (the Hopper default: 1.09-1.19x faster than without at
-    batch >= 4 on an H200, evals/results/decode_ab_h200_bt_ahead.json); elsewhere off with 2
-    stages (untimed).
-    split_rule: how num_splits and block_n are chosen where not given ("waves", or
-    "per_sm8": the rule before 2026-12-06; choose_num_splits).
+    batch >= 4); elsewhere off with 2 stages (untimed).
+    split_rule: how num_splits and block_n are chosen where not given (DEFAULT_SPLIT_RULE's
+    rules; choose_num_splits).
     launches: {head_dim: HopperLaunch} replacing HOPPER_LAUNCHES' (a DECODE_VARIANTS entry's):
     the tile and split count where not given, and the register cap of a launch with K and V^T
     in the MMA layouts in that launch's tile size."""
@@ -455,7 +453,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         num_splits = choose_num_splits(bsz, hkv, max_seq_len, dev, d, split_rule, launches)
     block_n = block_n or choose_block_n(num_splits, dev, d, split_rule, launches)
     if block_n not in (32, 64, 128, 256):
-        # 16-token tiles gave wrong results on an H200 with Triton 3.6 (correct in the
+        # 16-token tiles give wrong results on Hopper with Triton 3.6 (correct in the
         # interpreter); refused until that is understood
         raise ValueError(f"block_n must be 32, 64, 128 or 256, got {block_n}")
     qpk = hq // hkv

@@ -1,7 +1,7 @@
 """Reliability: no silent corruption (bad numbers, layout safety, refusals at startup).
 
 1. Bad numbers. NaN, +-Inf, huge values, all-zero / underflowing blocks and denormals go
-   through the writer and the readers with the behaviour README "The NVFP4 page format"
+   through the writer and the readers with the behaviour kernels/format.py
    documents, and never leak into other tokens, heads, blocks or requests. A fuzz of 2**20
    random 16-value blocks checks reference.quantize / dequantize (each block-scale rule) against
    an independent numpy oracle written here from the format's definition; a smaller fuzz checks

@@ -115,7 +115,9 @@ class LayerAdaptation:
             raise ValueError(f"scales file {cfg.scales_file}: layer {name} has attention sinks "
                              "or a logit soft-cap, which K centering would change; calibrate "
                              "without --center-k")
-        if s is not None:  # rotating smoothed keys undoes the smoothing (README)
+        # rotating smoothed keys undoes the smoothing: the Hadamard transform gathers their
+        # shared component (the bias) into a few channels again
+        if s is not None:
             if cfg.rotate_k == "1":
                 raise ValueError("NVFP4 KV option rotate_k=1 (NVFP4KV_ROTATE_K) and a scales "
                                  "file with K smoothing exclude each other: unset rotate_k")

@@ -1,5 +1,5 @@
 """What the NVFP4 cache of one layer stores instead of the model's K/V, and what the rows that
-read the cache do about it (README "Accuracy options"). Each option is a change the attention
+read the cache do about it (README "Options"). Each option is a change the attention
 output cannot see:
 
 * K centering (a scales file from ``python -m vllm_nvfp4kv.calibration --center-k``, or

@@ -1,7 +1,7 @@
 """Per-layer global scales (format.py's ``g``) calibrated from K/V statistics.
 
-Where a layer's (k_scale, v_scale) come from, first match wins (README "Calibrated global
-scales"; the options are ``config.NvFp4KVConfig``'s, environment variables in brackets):
+Where a layer's (k_scale, v_scale) come from, first match wins (README "Options",
+``calibrate``; the options are ``config.NvFp4KVConfig``'s, environment variables in brackets):
 
 1. **checkpoint**: the scales vLLM loaded (ModelOpt/compressed-tensors ``k_scale``/``v_scale``),
    i.e. anything other than vLLM's default 1.0. ``checkpoint_scales="ignore"``
@@ -42,7 +42,7 @@ written with; the scale never changes once set.
 channel's max and min) on the device (no sync) for the offline command, which reads it back
 with ``LLM.apply_model``.
 
-K centering and smoothing (``--center-k``, ``--smooth-k``; README "Accuracy options"): the
+K centering and smoothing (``--center-k``, ``--smooth-k``; README "Options"): the
 offline command also writes, per layer, a per-channel offset mu [Hkv, D] (the mid-range
 (max + min) / 2, under ``"_k_center"``) and per-channel power-of-two divisors s [Hkv, D]
 (``scales.k_smoothing_factors`` of the centered amax, under ``"_k_smooth"``); the K global
@@ -355,7 +355,7 @@ def _channel_range(x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, 
     """(max, min) per channel [H, D] over the rows of x [T, H, D] where valid, NaN/Inf
     ignored; -inf / +inf where a channel has no finite valid value, so that a batch without
     data (vLLM's warm-up and capture batches: every slot -1) leaves the running range as it
-    was (a 0 there pulled every channel's range to 0 and halved mid-ranges, 2026-12-04)."""
+    was (a 0 there would pull every channel's range to 0 and halve its mid-range)."""
     x = x.detach().float()
     keep = torch.isfinite(x) & valid[:, None, None]
     inf = torch.tensor(float("inf"), device=x.device)

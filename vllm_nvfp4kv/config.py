@@ -57,57 +57,35 @@ class NvFp4KVConfig:
 
     block_scales: str = field(default=DEFAULT_BLOCK_SCALES,
                               metadata=_choices(*BLOCK_SCALE_RULES))
-    """How the writer picks each 16-value block's E4M3 scale (kernels/format.py): `search`
-    tries the codes of amax/6 and amax/4 and the code just below each, and keeps the one with
-    the smallest squared error; `4over6` only the first two (the default until 2026-12-05);
-    `amax6` amax/6 alone (the seed). Same format and decoding. Next-token KL against 4over6
-    (2-core x86 CPU, torch 2.11.0 with vLLM 0.26.0's CPU engine or transformers 5.25.0,
-    2026-12-05; evals/RESULTS.md, "Block scales by search"): -13% / -16% with every K/V value
-    fake-quantized (SmolLM2 / Qwen2.5 with K centering; deterministic), -7% / -10% / -6%
-    through the engine (SmolLM2 / Gemma 3 / Qwen2.5, whose run-to-run noise is larger).
-    `--kv-cache-dtype nvfp4_4over6` (vLLM >= 0.32) means `4over6`. The older environment
-    variable `NVFP4KV_FOUR_OVER_SIX=1`/`0` means `4over6`/`amax6`.
+    """How the writer picks each 16-value block's E4M3 scale: `search` tries the codes of
+    amax/6 and amax/4 and the code just below each and keeps the one with the smallest
+    squared error; `4over6` the first two; `amax6` amax/6 alone (the rule of SGLang's and
+    upstream vLLM's writers). Same format and decoding whichever wrote a page; `search` gives
+    the lowest next-token KL on every model measured (evals/RESULTS.md).
+    `--kv-cache-dtype nvfp4_4over6` (vLLM 0.32+) means `4over6`.
 
-    Cost: the writer tries each block's 4 scales (4over6: 2): 3.3 us per 16-token decode
-    write, 308 us per 32K-token prefill write per layer, 0.88% of a 32K prefill over 32 layers
-    (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, triton 3.6.0, 2026-12-06,
-    `evals/results/write_h100_bt.json.gz`; the writer before its rewrite took 3.8 and 597 us,
-    4over6 3.1 and 373: evals/RESULTS.md, "Block scales by search")."""
+    Cost: the writer tries 4 scales per block (`4over6`: 2), a few microseconds per decode
+    write and under 1% of a long prefill."""
 
     center_k: str = field(default="auto", metadata=_choices("auto", "1", "0"))
-    """K centering without a scales file: once a layer's first real batch shows K outlier
-    channels (the check below: max/median channel amax > 48), that layer and every layer of
-    the model whose first real batch comes later (in practice all: Qwen2.5's layer 0 shows
-    them) cache K - mu from then on, mu that layer's first-batch per-channel mid-range; the
-    offsets are written in place into a zeros tensor reserved before CUDA graph capture, so
-    captured graphs use them. `1`: every layer; `0`: never. A scales file's centering
-    (`scales_file` written with `--center-k`) comes first; layers with sinks or a soft-cap are
-    never centered.
+    """K centering without a scales file. Where a layer's first real batch shows K outlier
+    channels (max / median channel amax > 48, e.g. Qwen2's k_proj bias), which 4-bit blocks
+    of 16 cannot hold, that layer and every later one cache K - mu, mu the batch's
+    per-channel mid-range; softmax ignores the constant q.mu it adds to every score. `1`:
+    every layer; `0`: never. A scales file's centering comes first; layers with sinks or a
+    soft-cap are never centered.
 
-    Cost: one subtraction kernel on the K written per layer and step, also of zeros in models
-    that never trigger: 1.0% of a decode step's GPU time (NVIDIA H200, vLLM 0.26.0, torch
-    2.11.0+cu130, 2026-12-04; evals/RESULTS.md, "Where a decode step's GPU time goes"); one
-    host read per layer at its first real batch."""
+    Cost: one subtraction on the K written (inside the writer with `fuse_transforms`)."""
 
     rotate_k: str = field(default="auto", metadata=_choices("auto", "1", "0"))
-    """Hadamard-rotates K per head before caching, and Q with it (q.k unchanged): outlier
-    channels are spread over all blocks. That helps where those channels carry little of the
-    queries' weight and hurts where they carry much, so `auto` measures it: at the layer's
-    first real batch its forward compares the batch's q.k error through the 4-bit cache with
-    and without the rotation (`cache_space.rotation_helps`, up to 256 queries x 256 keys) and
-    keeps the smaller; where that is "without", the rotation matrix (captured by CUDA graphs)
-    becomes the identity in place and the batch's K/V, all the layer's cache holds so far, are
-    rewritten. `auto` applies to power-of-two head sizes, is off for layers with K smoothing
-    and on for all layers under `calibrate` `online` / `collect`; `1`: every layer (refused
-    with K smoothing); `0`: none. Gemma 3 270M: KL 0.067 -> 0.025 against rotating every
-    layer, Qwen2.5 0.0033 -> 0.0029, SmolLM2 0.0181 -> 0.0187 (vLLM 0.26.0 CPU engine, torch
-    2.11.0, 2-core x86, 2026-12-04; evals/RESULTS.md).
+    """Hadamard-rotates K per head before caching, and Q with it (q.k unchanged), spreading
+    outlier channels over all blocks. That helps where those channels carry little of the
+    queries' weight and hurts where they carry much, so `auto` measures it per layer at its
+    first real batch (the batch's q.k error through the 4-bit cache with and without) and
+    keeps the smaller; power-of-two head sizes only. `1`: every layer; `0`: none.
 
-    Cost: per layer one [tokens, D] x [D, D] matmul for the K written, one for the Q rows that
-    read the cache (decodes, chunks after a cached prefix); where the choice is the identity,
-    only in CUDA graphs captured before it (eager steps skip it); the choice itself once per
-    layer (two reference quantizations of <= 256 keys); an initial prefill attends its exact
-    K/V unrotated."""
+    Cost: a [D, D] product on the K written (inside the writer with `fuse_transforms`) and on
+    the Q rows that read the cache."""
 
     rotate_v: bool = False
     """Also rotates V, and the attention output back.
@@ -115,86 +93,56 @@ class NvFp4KVConfig:
     Cost: one more of each."""
 
     prefill_from_cache: bool = False
-    """Prefill attends over its own chunk as read back from the cache instead of the exact K/V
-    (the seed design), so a later prefix-cache hit computes what the first request computed.
+    """Prefill attends over its own chunk as read back from the cache instead of the exact
+    K/V, so that a later prefix-cache hit or a recompute computes exactly what the first
+    request computed (identical greedy requests give identical outputs).
 
-    Cost: accuracy: SmolLM2 perplexity 6.487 -> 6.886 (vLLM 0.26.0 CPU engine, torch 2.11.0,
-    2-core x86, 2026-12-03; `evals/results/fidelity_smollm2_cpu_prefill_from_cache.json`)."""
+    Cost: accuracy (the chunk's own K/V are read at 4 bits too)."""
 
     workspace_dtype: str = field(default="auto", metadata=_choices("auto", "fp8"))
-    """The shared prefill workspace's dtype. `auto`: the model dtype (BF16/FP16). `fp8`: it
-    holds the cached prefix as e2m1 x e4m3 / 8 rounded to FP8 E4M3 (the product can need 4
-    mantissa bits, E4M3 has 3) and chunked prefill runs FA3 in FP8 with descales, Q quantized
-    per call (FA3 only, refused otherwise).
+    """The dtype of the workspace chunked prefill dequantizes the cached prefix into.
+    `auto`: the model's (BF16/FP16). `fp8`: E4M3, with FA3 attending in FP8 (Hopper only):
+    half the workspace, but less accurate than the BF16 workspace and measured no faster.
 
-    Cost: `fp8` halves the workspace bytes; Q and the chunk's own K/V are rounded to E4M3.
-    Measured (NVIDIA H200, vLLM 0.26.0, torch 2.11.0+cu130, 2026-12-04; evals/RESULTS.md, "vLLM
-    on the H200"): less accurate (SmolLM2 KL 0.0200 vs 0.0124 with BF16, worse than an FP8
-    cache's 0.0158) and no faster (32K prompts in 2K chunks: 2.61 s vs 2.44 s), so the default
-    is BF16."""
+    Cost: -"""
 
     workspace_prefix_tokens: int = 65536
-    """Cached-prefix tokens the shared workspace holds in one piece (longer prefixes go in
-    pieces merged by LSE); the model length or a sliding window bound it too.
+    """Cached-prefix tokens the shared workspace holds in one piece; longer prefixes are
+    attended in pieces merged by their log-sum-exp. The model length or a sliding window
+    bound it too.
 
-    Cost: workspace memory: rows x KV heads x head size x 4 bytes (BF16 K and V)."""
+    Cost: workspace memory, rows x KV heads x head size x 4 bytes, once for all layers."""
 
     fuse_transforms: bool = True
-    """Speed: on a GPU, K centering and the rotation of K happen inside the cache writer
-    (`kernels.write_cache(..., k_sub=, rotate_k=)`: K - mu and a Walsh-Hadamard transform per
-    row, each rounded to K's dtype as torch rounds it) instead of a subtraction kernel and a
-    GEMM per layer and step (`false`: the torch ops; the default since 2026-12-06). The same
-    cache bytes up to a rare last-bit difference from the order of fp32 sums, which can move a
-    value across an E2M1 rounding threshold
-    (`tests/test_kernels.py::test_write_cache_transforms_k_as_cache_space`: over 99.8% of
-    bytes equal, every value within one E2M1 step;
-    `tests/test_backend.py::test_fused_k_write_gives_the_same_cache`). Not with K smoothing,
-    `calibrate` `online` / `collect` or a head size that is not a power of two. With
-    `rotate_k` `auto` the writer reads the layer's choice from a device flag at run time, so
-    CUDA graphs captured before the choice follow it. Kernel, engine and real-model tests with
-    it passed on GPUs (README, Test); the accuracy table's runs predate it except MMLU's last
-    3,357 questions (-0.7 ± 0.4 against BF16 there, -0.2 ± 0.2 over the 10,400 before: within
-    their errors).
+    """On a GPU, K centering and K's rotation happen inside the cache writer instead of a
+    subtraction kernel and a matrix product per layer and step. The same cache bytes up to
+    rare last-bit differences from the order of fp32 sums. Not with K smoothing, `calibrate`
+    `online` / `collect`, or head sizes that are not a power of two.
 
-    Cost: decode step **-1.8% GPU time: 2,232 against 2,274 us** (16 x 8K, 8 layers; NVIDIA
-    H100 80GB HBM3, vLLM 0.26.0, torch 2.11.0+cu130, commit a13a618, 2026-12-06, one hold;
-    `profile_step_h100_a13a618.json` / `_unfused.json`; -1.7% on 2026-12-05): the writer
-    takes 3.5 us more, the subtraction (22.4 us) and K's rotation GEMM (19.6 us) are gone.
-    Prefill: the writer +2.2 us per 2K-token write, +54 us per 32K (`write_h100_bt.json.gz`),
-    against two torch kernels that move K through memory twice; the 2K-chunk prefill measured
-    -1.8% GPU time against FP8 with it and -3.7% without it, in different holds, the
-    difference in kernels it does not touch (evals/RESULTS.md, "Where a decode step's GPU
-    time goes" and "The 2K-chunk prefill with the fused writer")."""
+    Cost: none: it saves about 2% of a decode step's GPU time."""
 
     calibrate: str = field(default="off", metadata=_choices(
         "off", "online", "collect", aliases={"": "off", "0": "off", "1": "online"}))
-    """Global scales (README "Calibrated global scales"). `online`: each layer's k/v scale is
-    fixed from the first batch that writes real tokens into its cache, before that batch is
-    written, and never changes afterwards. `collect`: record every layer's K/V amax for the
-    offline command (`python -m vllm_nvfp4kv.calibration`, which sets it)."""
+    """Per-layer global scales. `online`: each layer's k/v scale is fixed from the first batch
+    that writes real tokens into its cache (before it is written) and never changes again:
+    `2^ceil(log2(h * amax / (6 * 448)))`, so values up to `h` times the batch's largest still
+    fit. `collect`: record every layer's K/V amax for the offline command
+    (`python -m vllm_nvfp4kv.calibration`). Scales from the checkpoint come first, then a
+    scales file. A power of two only shifts E4M3's exponent: it fixes the range (scales that
+    would saturate or underflow), not the 4-bit rounding."""
 
     calibrate_headroom: float = 64.0
-    """Online calibration's headroom `h` (README "Calibrated global scales")."""
+    """Online calibration's headroom `h` (`calibrate`)."""
 
     scales_file: str | None = field(default=None, metadata={"path": True})
-    """JSON `{layer_name: [k_scale, v_scale]}` (offline calibration: `python -m
-    vllm_nvfp4kv.calibration`), loaded at each layer's first write. Written with `--center-k`,
-    it also holds K centering: per layer, K is cached as K - mu with mu a per-channel
-    constant of each KV head (the calibration's mid-range, (max + min) / 2): every score of a
-    query moves by the same q.mu, which softmax ignores, so it is exact with no change to Q,
-    and a channel that is a constant offset after RoPE (Qwen2's k_proj bias in its slowly
-    rotating pairs) stops owning its 16-value blocks; refused for layers with attention sinks
-    or a logit soft-cap. With `--smooth-k`, K smoothing: per layer, K is cached as K / s with
-    s a power of two per RoPE channel pair and KV head (each pair's calibrated amax, after
-    centering if on, over the head's median, rounded), and every query that reads the cache
-    is multiplied by s (q.k unchanged): outlier channels no longer crush the other values of
-    their blocks, but their own 4-bit error is s times larger in q.k (evals/RESULTS.md:
-    centering is what works on Qwen2.5). Smoothing turns the rotation of K off for those
-    layers (`rotate_k` `1` with it is refused); centering keeps it (rotate(K - mu) is as
-    exact, and measured best).
+    """JSON `{layer_name: [k_scale, v_scale]}` written by `python -m vllm_nvfp4kv.calibration`
+    (on your texts), loaded at each layer's first write. Written with `--center-k` it also
+    holds per-layer K centering offsets (the traffic-independent alternative to `center_k`);
+    with `--smooth-k`, K smoothing divisors (q.k unchanged). Pages persisted or shared across
+    engines need a file rather than online choices.
 
-    Cost: K centering: one subtraction on the K written; K smoothing: one elementwise product
-    on the K written and on the Q rows that read the cache."""
+    Cost: K centering, one subtraction on the K written; K smoothing, one product on the K
+    written and on the Q rows that read the cache."""
 
     checkpoint_scales: str = field(default="prefer", metadata=_choices("prefer", "ignore"))
     """`ignore`: do not use the k/v scales vLLM loaded from the checkpoint."""
