@@ -559,7 +559,7 @@ def plot(res, path):
         ax.legend(fontsize=6, ncol=2)
     fig.suptitle(f"decode attention, {res['gpu']}, heads {res['heads']}, {res['date']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, path, dpi=110)
 
 
 def plot_heads(res, path):
@@ -594,7 +594,7 @@ def plot_heads(res, path):
     fig.suptitle(f"decode attention vs FA3 FP8 (solid) and BF16 (dashed), {res['gpu']}, "
                  f"{res['date']}; targets 1.5x / 2.5x", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, path, dpi=110)
 
 
 def join(paths: list[str]) -> dict:
@@ -696,7 +696,7 @@ def main():
     if args.ab or args.split_sweep:
         return
     if not args.tune and res["rows"]:
-        (plot_heads if args.heads else plot)(res, args.out.replace(".json", ".png"))
+        (plot_heads if args.heads else plot)(res, common.png_path(args.out))
     if not args.tune:
         print(f"{'heads':>18} {'ctx':>8} {'b':>3} {'nvfp4 ms':>9} {'int4 ms':>8} {'tq4 ms':>8} "
               f"{'fp8 ms':>8} {'bf16 ms':>8} {'x int4':>6} {'x tq4':>6} {'x fp8':>6} "

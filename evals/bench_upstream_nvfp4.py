@@ -36,6 +36,7 @@ table last. Run on the GPU with the prebuilt FlashInfer kit (evals/fi_kit.sh, ev
     python -P -m evals.bench_upstream_nvfp4 --out evals/results/upstream_nvfp4_h100.json
     python -P -m evals.bench_upstream_nvfp4 --dims 256 --no-prefill --out ...
     python -P -m evals.bench_upstream_nvfp4 --build-fi-modules DIR   # CPU + nvcc: the kit's .so
+    python -P -m evals.bench_upstream_nvfp4 --join A.json B.json --out AB.json.gz  # one figure
 """
 from __future__ import annotations
 
@@ -784,17 +785,21 @@ def print_table(res: dict) -> None:
 def plot(res: dict, path: str) -> None:
     plt = common.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    # colour: batch; line: head dim (D = 128 solid, 256 dotted); marker: ours o, FlashInfer s
+    batches = sorted({r["batch"] for r in res["rows"]})
+    colours = {b: f"C{i}" for i, b in enumerate(batches)}
     for d in sorted({r["d"] for r in res["rows"]}):
-        for b in sorted({r["batch"] for r in res["rows"]}):
+        line = "-" if d == 128 else ":"
+        for b in batches:
             rs = sorted((r for r in res["rows"] if (r["d"], r["batch"]) == (d, b)),
                         key=lambda r: r["ctx"])
-            for ax, key, style in ((axes[0], "ours_vs_fi_nvfp4", "-o"),
-                                   (axes[1], "ours_vs_fp8", "-o"),
-                                   (axes[1], "fi_nvfp4_vs_fp8", "--s")):
+            for ax, key, marker in ((axes[0], "ours_vs_fi_nvfp4", "o"),
+                                    (axes[1], "ours_vs_fp8", "o"),
+                                    (axes[1], "fi_nvfp4_vs_fp8", "s")):
                 xs = [r["ctx"] for r in rs if key in r]
                 if xs:
-                    ax.plot(xs, [r[key] for r in rs if key in r], style,
-                            label=f"{key.split('_vs')[0]} D{d} b{b}")
+                    ax.plot(xs, [r[key] for r in rs if key in r], line + marker,
+                            color=colours[b], label=f"{key.split('_vs')[0]} D{d} b{b}")
     for ax, title in ((axes[0], "decode: ours speed-up over FlashInfer NVFP4 (x)"),
                       (axes[1], "decode: speed vs FP8 (x; FA3 FP8 where it ran)")):
         ax.axhline(1.0, color="k", lw=0.8)
@@ -815,7 +820,28 @@ def plot(res: dict, path: str) -> None:
     fig.suptitle(f"NVFP4 KV on {res['gpu']}: ours vs FlashInfer {res.get('flashinfer')} as "
                  f"vLLM 0.33 calls it, {res['date']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, path, dpi=90)
+
+
+def join(runs) -> dict:
+    """One result from several runs of one GPU (e.g. D = 128, D = 256, prefill): rows keyed
+    by shape, a later run's row replacing an earlier one's; each run's header under "runs"."""
+    res, decode, prefill = None, {}, {}
+    for run in runs:
+        res = res or {k: v for k, v in run.items()
+                      if k not in ("rows", "prefill_rows", "checks", "capacity")}
+        if run["gpu"] != res["gpu"]:
+            raise SystemExit(f"--join: runs on {res['gpu']} and {run['gpu']}")
+        res.setdefault("runs", []).append({k: run.get(k) for k in
+                                           ("run", "checks_failed", "flashinfer")})
+        res["capacity"] = {**res.get("capacity", {}), **run.get("capacity", {})}
+        res["checks"] = {**res.get("checks", {}), **run.get("checks", {})}
+        decode.update({(r["d"], r["batch"], r["ctx"]): r for r in run.get("rows", [])})
+        prefill.update({(r["prefix"], r["chunk"]): r for r in run.get("prefill_rows") or []})
+    res["checks_failed"] = failed_checks(res["checks"])
+    res["rows"] = [decode[k] for k in sorted(decode)]
+    res["prefill_rows"] = [prefill[k] for k in sorted(prefill)]
+    return res
 
 
 # ------------------------------------------------------------------ main
@@ -847,6 +873,9 @@ def parse_args(argv=None):
     ap.add_argument("--build-fi-modules", metavar="DIR",
                     help="compile the FlashInfer modules (nvcc, no GPU) into DIR and exit")
     ap.add_argument("--table", metavar="JSON", help="print a results file's table and exit")
+    ap.add_argument("--join", metavar="JSON", nargs="+",
+                    help="merge runs' files into --out (decode rows by shape and prefill rows "
+                         "by problem, a later file's winning) with one PNG, and exit")
     args = ap.parse_args(argv)
     bad = [d for d in args.dims if d not in FI_NVFP4_HEAD_DIMS]
     if bad and not args.build_fi_modules:
@@ -862,6 +891,12 @@ def main(argv=None):
         return
     if args.table:
         print_table(common.read_json(args.table))
+        return
+    if args.join:
+        res = join(common.read_json(f) for f in args.join)
+        common.write_json(args.out, res)
+        plot(res, common.png_path(args.out))
+        print_table(res)
         return
     import flashinfer
     device = torch.device("cuda")
@@ -900,7 +935,7 @@ def main(argv=None):
     if not args.no_prefill:
         res["prefill_rows"] = prefill_rows(args, device, workspace, writer, fa3)
     common.write_json(args.out, res)
-    plot(res, args.out.replace(".json", ".png"))
+    plot(res, common.png_path(args.out))
     print_table(res)
 
 

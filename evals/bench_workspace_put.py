@@ -64,7 +64,7 @@ def plot(res: dict, png: str) -> None:
     ax.set_title(f"Chunk K/V into the prefill workspace ({res['kv_heads']} x "
                  f"{res['head_dim']}), {res['run']['device']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    common.save_figure(fig, png, dpi=120)
 
 
 def main():

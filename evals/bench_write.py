@@ -74,7 +74,7 @@ def plot(res: dict, png: str) -> None:
         ax.invert_yaxis()
     fig.suptitle(f"NVFP4 cache writer by block-scale rule ({res['run']['device']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    common.save_figure(fig, png, dpi=120)
 
 
 def main():

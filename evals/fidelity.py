@@ -272,7 +272,7 @@ def plot(png: Path, files: list[Path]) -> None:
     axes[-1, 0].set_xlabel("next-token KL(BF16 || KV cache) per token, context read from the "
                            "cache (lower is better)")
     fig.tight_layout()
-    fig.savefig(png, dpi=110, bbox_inches="tight")  # long row labels
+    common.save_figure(fig, png, dpi=110, bbox_inches="tight")  # long row labels
     print(f"-> {png}")
 
 

@@ -376,7 +376,7 @@ def plot(res: dict, png: Path) -> None:
                      r["offload"] == "on" for r in rows) else "")
                  + f" ({res['date']})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    common.save_figure(fig, png, dpi=110)
     plt.close(fig)
 
 

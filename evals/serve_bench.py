@@ -236,7 +236,7 @@ def plot(res: dict, png: Path) -> None:
                  f"{a['input_len']} in / {a['output_len']} out{kv} ({res['date']}, vLLM "
                  f"{res['vllm']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    common.save_figure(fig, png, dpi=110)
     plt.close(fig)
 
 

@@ -146,7 +146,7 @@ def plot(res: dict, png: Path, title: str) -> None:
     ax.set_title(textwrap.fill(title, 110), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    common.save_figure(fig, png, dpi=110)
     plt.close(fig)
 
 
