@@ -38,6 +38,12 @@ def engine_env() -> bool:
     return on_gpu
 
 
+def block_size(on_gpu: bool) -> int:
+    """Tokens per KV page for an eval's engine: vLLM's CPU attention (BF16 and FP8 rows, and
+    every row from vLLM 0.32) takes multiples of 32; on a GPU the size vLLM's FA3 runs with."""
+    return 16 if on_gpu else 32
+
+
 def _git_commit() -> str | None:
     """This checkout's commit, +uncommitted where tracked files differ: from the package's
     folder, or (an installed copy, as on the lent GPU) from the working directory."""

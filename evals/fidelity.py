@@ -195,7 +195,7 @@ def main():
     if args.variants:
         return variants(args, model, on_gpu)
     texts = gsm8k_texts(args.texts)
-    bs = args.block_size or 16
+    bs = args.block_size or common.block_size(on_gpu)
     if args.dump:
         Path(args.dump).write_text(json.dumps(
             score(model, args.dtypes[0], texts, args.chunk, on_gpu, args.topk, bs)))
@@ -309,9 +309,7 @@ def variants(args, model, on_gpu):
     """One process per row (options are read at start-up); per-token data through files."""
     import subprocess
     import tempfile
-    # on a CPU FP8 needs block size 32; rows without FP8 keep the engine's 16
-    fp8_row = any(dtype == "fp8" for _, dtype, _ in VARIANTS[args.variants])
-    bs = args.block_size or (32 if fp8_row and not on_gpu else 16)
+    bs = args.block_size or common.block_size(on_gpu)
     tmpdir = Path(tempfile.mkdtemp(prefix="fidelity-"))
     files = {"{scales}": (Path(args.out).with_suffix(".scales.json"), []),
              "{smooth}": (Path(args.out).with_suffix(".smooth.json"), ["--smooth-k"]),

@@ -257,8 +257,10 @@ def model_args(task: str, model: str, kv_dtype: str, extra: str,
     chunk = t.prefill_chunk if prefill_chunk is None else prefill_chunk
     forced = (f"enable_chunked_prefill=True,long_prefill_token_threshold={chunk},"
               if chunk else "")
+    import torch
+    bs = common.block_size(torch.cuda.is_available())
     return (f"pretrained={model},kv_cache_dtype={kv_dtype},max_model_len={t.max_model_len},"
-            f"block_size=16,seed=0,{forced}{extra}")
+            f"block_size={bs},seed=0,{forced}{extra}")
 
 
 def evaluate(task: str, model: str, kv_dtype: str, tasks: Path, limit: int | None, extra: str,

