@@ -46,6 +46,31 @@ SWEEP_128K = r'''timeout 570 python3 -P -m evals.serve_bench \
     --concurrency 2 --prompts-per-concurrency 1 --budget-s 480 \
     --out "$OUT/serve_sweep_${GPU}_128k_${1#sweep-128k-}.json" 2>&1 | tail -12'''
 
+# one process per dtype, each its own file (what a cut call leaves survives), then joined
+NEEDLE_QWEN = r'''files=()
+for dt in ${NEEDLE_DTYPES:-auto fp8 nvfp4}; do
+  f="$OUT/needle_qwen_${GPU}_$dt.json"
+  timeout 180 python3 -P -m evals.needle --model qwen --dtypes $dt --items-per-cell 4 \
+      --out "$f" 2>&1 | grep -E "rror|failed"
+  [ -f "$f" ] && files+=("$f")
+done
+python3 -P -m evals.needle --join "${files[@]}" --out "$OUT/needle_qwen_${GPU}.json" 2>&1 \
+    | grep -E "^\||rror"'''
+
+NEEDLE_QWEN_ONE = r'''timeout 570 python3 -P -m evals.needle --model qwen --dtypes "${1#needle-qwen-}" \
+    --items-per-cell 16 --out "$OUT/needle_qwen_${GPU}_16_${1#needle-qwen-}.json" 2>&1 \
+    | grep -E "^\||rror|failed"'''
+
+NEEDLE_MT_QWEN = r'''files=()
+for dt in ${NEEDLE_DTYPES:-auto fp8 nvfp4}; do
+  f="$OUT/needle_mt_qwen_${GPU}_$dt.json"
+  timeout 180 python3 -P -m evals.needle --model qwen --dtypes $dt --multiturn 0 1 2 4 8 16 \
+      --items-per-cell 64 --max-num-seqs 64 --reply-tokens 128 --out "$f" 2>&1 | grep -E "rror|failed"
+  [ -f "$f" ] && files+=("$f")
+done
+python3 -P -m evals.needle --join "${files[@]}" --out "$OUT/needle_mt_qwen_${GPU}.json" 2>&1 \
+    | grep -E "^\||rror"'''
+
 GENERATE_LINES = r'grep -E "CUSTOM|NVFP4 KV cache|engine ready|^Q:|^A:|KV cache:|Error"'
 
 STAGES: dict[str, Stage] = {
@@ -278,6 +303,21 @@ timeout 580 python3 -P -m evals.lm_eval_kv --model qwen --dtypes ${GSM8K_DTYPES:
     --dtypes ${MMLU_DTYPES:?} --offset ${MMLU_OFFSET:?} --limit ${MMLU_LIMIT:?} \
     --out "$OUT/mmlu_qwen_${GPU}_${MMLU_OFFSET}_${MMLU_DTYPES// /_}.json" 2>&1 \
     | grep -E "^\||Error"'''),
+    # long-context retrieval (evals/needle.py); estimates: Qwen prefill ~20K tokens/s per
+    # dtype, an engine start 60-90 s; a (length, item) of 4K + 8K + 16K + 32K at 5 depths is
+    # 307K prompt tokens
+    "needle-qwen": Stage(
+        "needles at 4K-32K, 5 depths, 4 items per cell (80 prompts, 1.2M tokens per dtype: "
+        "~2.5 min each, ~8 min in all; after stage qwen), one process per dtype, joined; "
+        "NEEDLE_DTYPES: others (e.g. fp8_per_token_head turboquant_4bit_nc)", NEEDLE_QWEN),
+    **{f"needle-qwen-{dt}": Stage(
+        f"needles at 4K-32K, {dt} alone, 16 items per cell (320 prompts, 4.9M tokens: "
+        "~6 min); join the dtypes' files with `python -P -m evals.needle --join`",
+        NEEDLE_QWEN_ONE) for dt in ("auto", "fp8", "nvfp4")},
+    "needle-mt-qwen": Stage(
+        "multi-turn recall: keys stated, then 16 GSM8K turns (128-token replies), asked "
+        "after 0-16 turns; 64 conversations, one process per dtype (~2 min each, ~6 min in "
+        "all), joined; NEEDLE_DTYPES: others", NEEDLE_MT_QWEN),
     "decode-check": Stage(
         "greedy generation (decode path) against BF16; NVFP4 with the Qwen scales file when "
         "present",
