@@ -55,12 +55,15 @@ except ImportError:
 import vllm.platforms.cuda as cuda
 from vllm.platforms.cpu import CpuPlatform
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
-before = (cuda._get_backend_priorities, CpuPlatform.get_attn_backend_cls.__func__)
+from vllm.v1.engine.core import EngineCore
+before = (cuda._get_backend_priorities, CpuPlatform.get_attn_backend_cls.__func__,
+          EngineCore.__init__)
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm_nvfp4kv import plugin
 plugin.register(); plugin.register()
-after = (cuda._get_backend_priorities, CpuPlatform.get_attn_backend_cls.__func__)
+after = (cuda._get_backend_priorities, CpuPlatform.get_attn_backend_cls.__func__,
+         EngineCore.__init__)
 print("UNCHANGED", before == after, AttentionBackendEnum.CUSTOM.is_overridden())
 """
 

@@ -87,6 +87,15 @@ class NvFp4KVConfig:
     Cost: a [D, D] product on the K written (inside the writer with `fuse_transforms`) and on
     the Q rows that read the cache."""
 
+    adapt_at_startup: bool = True
+    """The choices made from a layer's first batch of real tokens (`center_k` and `rotate_k`
+    `auto`, `calibrate` `online`) are made while the engine starts, from one request of its
+    own: a built-in text of prose, code and numbers (up to 512 tokens). So they are the same
+    at every start, whatever the traffic. `false`: from the first request served. Not with
+    data parallelism or `calibrate` `collect`.
+
+    Cost: one prefill of up to 512 tokens at engine start."""
+
     rotate_v: bool = False
     """Also rotates V, and the attention output back.
 
@@ -137,7 +146,7 @@ class NvFp4KVConfig:
     scales_file: str | None = field(default=None, metadata={"path": True})
     """JSON `{layer_name: [k_scale, v_scale]}` written by `python -m vllm_nvfp4kv.calibration`
     (on your texts), loaded at each layer's first write. Written with `--center-k` it also
-    holds per-layer K centering offsets (the traffic-independent alternative to `center_k`);
+    holds per-layer K centering offsets (offsets from your texts rather than the start-up text);
     with `--smooth-k`, K smoothing divisors (q.k unchanged). Pages persisted or shared across
     engines need a file rather than online choices.
 

@@ -5,13 +5,15 @@ no NVFP4 attention path of its own (or a slower one).
 idempotent, cheap, and initialises no CUDA. On a vLLM line it does not support
 (``compat.SUPPORTED_LINES``) it logs one line and changes nothing. Otherwise it registers
 the backend as ``AttentionBackendEnum.CUSTOM`` and wraps one function per platform so that
-automatic selection picks it for nvfp4 layers. Each wrapper passes every argument through
-and changes only the nvfp4 decision:
+automatic selection picks it for nvfp4 layers, and the engine core's constructor. Each
+wrapper passes every argument through and changes only what nvfp4 engines do:
 
 * CUDA: ``vllm.platforms.cuda._get_backend_priorities`` puts CUSTOM first for non-MLA nvfp4
   layers on GPUs where upstream has no path of its own or only FlashInfer's software one
   (``compat.upstream_serves_nvfp4``). Elsewhere upstream stays in charge; ask for ours with
   ``--attention-backend CUSTOM`` (or for upstream's with ``--attention-backend FLASHINFER``).
+* Both: ``EngineCore.__init__`` ends with the NVFP4 cache's start-up request
+  (``startup.py``: the first-batch choices made from a fixed text), for nvfp4 engines only.
 * CPU: ``CpuPlatform.get_attn_backend_cls`` returns CUSTOM for nvfp4 layers (the backend then
   runs the torch references), so vLLM's CPU engine can serve and test the format. It refuses
   what the backend's ``validate_configuration`` refuses on CUDA (vLLM's CPU selection does not
@@ -22,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from vllm_nvfp4kv import __version__, compat
+from vllm_nvfp4kv import __version__, compat, startup
 
 BACKEND_PATH = "vllm_nvfp4kv.backend.NvFp4AttentionBackend"
 _registered = False
@@ -49,6 +51,7 @@ def register() -> None:
         _patch_cuda_priorities()
     elif current_platform.is_cpu():
         _patch_cpu_selection()
+    startup.patch_engine_core()
     _registered = True
 
 
