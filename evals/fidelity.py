@@ -81,12 +81,19 @@ def header(model: str, texts: int, chunk: int, block_size: int, topk: int, on_gp
             "kl": f"top-{topk} + rest", **fields, "run": common.run_info(on_gpu), "rows": []}
 
 
+# a --dtypes suffix: the engine fits its own K/V scales (vLLM <= 0.31's --calculate-kv-scales,
+# amax / 200 of the first batch it runs, its profile run's)
+CALCULATED_SCALES = "+calculate_kv_scales"
+
+
 def score(model: str, kv_dtype: str, texts: list[str], chunk: int, on_gpu: bool,
           topk: int = 20, block_size: int = 16):
     """-> (nll, top1, topk logprobs {token: logprob}) per scored position."""
     from vllm import LLM, SamplingParams
     kw = dict(gpu_memory_utilization=0.5) if on_gpu else dict(
         kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+    if kv_dtype.endswith(CALCULATED_SCALES):  # vLLM 0.26's own FP8 scale fitting
+        kv_dtype, kw["calculate_kv_scales"] = kv_dtype.removesuffix(CALCULATED_SCALES), True
     llm = LLM(model=model, kv_cache_dtype=kv_dtype, max_model_len=1024, block_size=block_size,
               max_num_batched_tokens=chunk, max_num_seqs=8, enable_prefix_caching=False,
               seed=0, max_logprobs=topk, **kw)
@@ -165,7 +172,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="HF folder, or smollm2 (default) / qwen / gemma: a "
                     "packaged model (evals/assets.py)")
-    ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8", "nvfp4"])
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8", "nvfp4"],
+                    help=f"KV cache dtypes, the first the reference; a dtype + "
+                         f"{CALCULATED_SCALES!r}: with vLLM's fitted scales (<= 0.31)")
     ap.add_argument("--texts", type=int, default=24)
     ap.add_argument("--chunk", type=int, default=32, help="max_num_batched_tokens")
     ap.add_argument("--out", default="evals/results/fidelity.json")
