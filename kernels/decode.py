@@ -392,14 +392,25 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
     return clamp_splits(want, max_seq_len, max_splits(programs, wave, rule))
 
 
+# above this head size the kernel pads D to 512 (G_PAD): 64- and 128-token tiles then hold
+# 255 registers a thread and spill (8-160 bytes) on sm_80/89/90, and 128-token tiles need
+# 150 KB of shared memory, more than an Ada SM has (100 KB): no program would launch. 32-token
+# tiles take 118-241 registers without a spill and 50 KB, 2-3 programs per SM on all three
+# (kernels/aot.py builds; tests/test_compile.py)
+LARGE_HEAD_DIM = 256
+
+
 def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,
                    rule: str = DEFAULT_SPLIT_RULE, launches: dict | None = None) -> int:
     """Tokens per tile: HOPPER_LAUNCHES' on Hopper (D = 128: 128, as fast as 64 or faster at
     110 of 116 split counts timed, at most 6% slower at the others); elsewhere, and under
-    rule "per_sm8", 128 below 16 splits and 64 from 16 splits up (bench_decode --tune)."""
+    rule "per_sm8", 128 below 16 splits and 64 from 16 splits up (bench_decode --tune);
+    above LARGE_HEAD_DIM 32."""
     launch = _wave_launch(device, head_dim, rule, launches)
     if launch:
         return launch.block_n
+    if head_dim > LARGE_HEAD_DIM:
+        return 32
     return 128 if num_splits < 16 else 64
 
 

@@ -69,6 +69,28 @@ def _reduces() -> dict:
             for d in HOPPER_LAUNCHES for s in (MAX_SPLITS, SMALL_GRID_MAX_SPLITS)}
 
 
+def _large_head_launches() -> dict:
+    """The decode launch at head sizes without a Hopper launch, as decode_attention chooses
+    its tile (few splits and many: choose_block_n), on each architecture: registers, spill
+    stack, shared memory and programs per SM."""
+    import torch
+
+    from vllm_nvfp4kv.kernels import aot
+    from vllm_nvfp4kv.kernels.decode import choose_block_n
+    fn, sig, _, _ = aot.specs()["decode"]
+    cpu = torch.device("cpu")
+    out = {}
+    for d in (160, 288, 512):
+        for splits in (4, 32):
+            bn = choose_block_n(splits, cpu, d)
+            const = aot.decode_constexprs(bn, 4, 4, d, mma_k=False, features=True,
+                                          mma_v=False, bt_ahead=False)
+            for arch in ARCHS:
+                k = aot.compile_kernel(fn, sig, const, arch, 4, 2)
+                out[f"D{d} tile {bn} sm_{arch}"] = aot.resources(k, arch)
+    return out
+
+
 def test_kernels_compile_for_sm80_sm89_sm90():
     from vllm_nvfp4kv.kernels.decode import HOPPER_LAUNCHES
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -88,8 +110,14 @@ def test_kernels_compile_for_sm80_sm89_sm90():
     assert len(out["reduces"]) == 6
     for key, got in out["reduces"].items():
         assert got["stack"] == 0, (key, got)
+    # the other head sizes up to 512: every launch the launcher picks fits an SM of each
+    # architecture without spilling (128-token tiles at D > 256 did not fit an Ada SM)
+    assert {k.rsplit(" ", 1)[0] for k in out["large_heads"]} == {
+        "D160 tile 128", "D160 tile 64", "D288 tile 32", "D512 tile 32"}
+    for key, got in out["large_heads"].items():
+        assert got["programs_per_sm"] >= 1 and got["stack"] == 0, (key, got)
 
 
 if __name__ == "__main__":
     print(json.dumps({"failures": _compile_all(), "hopper_launches": _hopper_launches(),
-                      "reduces": _reduces()}))
+                      "reduces": _reduces(), "large_heads": _large_head_launches()}))

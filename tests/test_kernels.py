@@ -723,6 +723,39 @@ def test_decode_bt_ahead_window_softcap_sinks(device, mma_k):
     _check_decode(out, ref, seq_lens)
 
 
+# every head size the backend accepts (multiples of 16 in [32, 512],
+# NvFp4AttentionBackend.validate_configuration) that no case above covers
+OTHER_HEAD_SIZES = [d for d in range(32, 513, 16) if d not in HEAD_DIMS]
+
+
+@pytest.mark.parametrize("d", OTHER_HEAD_SIZES)
+def test_every_supported_head_size(device, d):
+    """The writer (bit-exact), the prefix gather and decode (GQA 3, 2 splits, a sink and a
+    window) against the references at each other head size the backend serves."""
+    gen, n, h = _gen(d), 16, 1
+    cache, cache_ref, buf, buf_ref = cache_pair(4, n, h, d, device, gen, "plain")
+    key, value = (rand_kv(9, h, d, gen, torch.bfloat16, device) for _ in range(2))
+    slots = torch.randperm(4 * n, generator=gen)[:9].to(device)
+    K.write_cache(cache, key, value, slots, 0.5, 2.0, "amax6")
+    ref_write(cache_ref, key, value, slots, 0.5, 2.0)
+    assert_same_bytes(buf, buf_ref)
+
+    seq_lens = [21, 1]
+    cache, table, q, sl = _decode_case(device, d, n, h, 3, seq_lens, 0.75, 1.5)
+    cu = torch.tensor([0, 21, 22], dtype=torch.int32, device=device)
+    ws = torch.empty(22, 2, h, d, dtype=torch.float32, device=device)
+    K.gather_cache(cache, table, cu, torch.zeros(2, dtype=torch.int32, device=device),
+                   ws[:, 0], ws[:, 1], 0.75, 1.5, max_tokens=21)
+    rk, rv = R.gather_cache(cache, table, cu, torch.zeros(2, dtype=torch.int32, device=device),
+                            d, 0.75, 1.5)
+    assert torch.equal(ws[:, 0], rk) and torch.equal(ws[:, 1], rv)
+    sinks = torch.tensor([0.5, -1.0, 2.0], device=device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    kw = dict(sliding_window=15, sinks=sinks)
+    K.decode_attention(q, cache, table, sl, out, d ** -0.5, 0.75, 1.5, num_splits=2, **kw)
+    _check_decode(out, _ref_decode(q, cache, table, sl, d ** -0.5, 0.75, 1.5, **kw), seq_lens)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_decode_random_configs(device, seed):
     """Seeded random sweep over every decode option at once: head dim, block size, GQA ratio,
