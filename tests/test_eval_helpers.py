@@ -214,3 +214,30 @@ def test_gpu_gaps_sums_idle_time_between_kernels():
                     ("attn", "gemm"): (10, 1)}
     assert g["top_gaps"][0]["before"] == "attn"  # largest first
     assert profile_step.gpu_gaps([], 3) == {"span_us": 0.0, "idle_us": 0.0, "top_gaps": []}
+
+
+def test_fp8_scales_from_a_scales_file(tmp_path):
+    """fidelity's FP8 row with fitted scales: each named layer's k/v scale (tensor and float,
+    what vLLM's attention reads) becomes amax / 448; other layers keep theirs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from evals import fidelity
+
+    class Layer(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.layer_name, self._k_scale, self._v_scale = name, torch.ones(1), torch.ones(1)
+            self._k_scale_float = self._v_scale_float = 1.0
+
+    model = torch.nn.Sequential(Layer("a"), Layer("b"))
+    runner = SimpleNamespace(model=model)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
+        driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))))
+    f = tmp_path / "scales.json"
+    f.write_text(json.dumps({"a": [1.0, 1.0], "_meta": {"amax": {"a": [224.0, 896.0]}}}))
+    fidelity.set_fp8_scales(llm, str(f))
+    assert (model[0]._k_scale.item(), model[0]._v_scale.item()) == (0.5, 2.0)
+    assert (model[0]._k_scale_float, model[0]._v_scale_float) == (0.5, 2.0)
+    assert (model[1]._k_scale.item(), model[1]._k_scale_float) == (1.0, 1.0)
