@@ -98,6 +98,29 @@ def test_run_refuses_a_request_that_never_finishes():
     assert core.calls[-1] == ("abort", [startup.REQUEST_ID])
 
 
+def test_a_failing_startup_request_does_not_stop_the_engine(monkeypatch):
+    """The EngineCore wrapper logs the start-up request's failure and lets the engine start."""
+    pytest.importorskip("vllm")
+    from vllm.v1.engine.core import EngineCore
+
+    class Core(EngineCore):
+        def __init__(self):  # what the wrapper calls first, without building an engine
+            self.aborted = []
+
+        def abort_requests(self, ids):
+            self.aborted.append(ids)
+
+    monkeypatch.setattr(EngineCore, "__init__", Core.__init__)
+    startup.patch_engine_core()  # wraps the stand-in constructor
+    monkeypatch.setattr(startup, "run", lambda core: 1 / 0)
+    warned = []
+    monkeypatch.setattr(startup.logger, "warning", lambda msg, *a: warned.append(msg % a))
+    core = Core.__new__(Core)
+    EngineCore.__init__(core)
+    assert core.aborted == [[startup.REQUEST_ID]]
+    assert len(warned) == 1 and "start-up request failed (ZeroDivisionError" in warned[0]
+
+
 # ---------------------------------------------------------------- through the CPU engine
 def _first_batch_state(first_prompt, adapt_at_startup: bool):
     """K centering offsets and global scales of every layer after an engine served

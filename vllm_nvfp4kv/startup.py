@@ -16,6 +16,7 @@ lockstep, which one rank's extra step would break).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
@@ -124,7 +125,8 @@ def run(engine_core) -> None:
 
 def patch_engine_core() -> None:
     """EngineCore.__init__ runs ``run`` once the engine is built (KV caches allocated, CUDA
-    graphs captured), before it takes requests; every argument passes through."""
+    graphs captured), before it takes requests; every argument passes through, and a failure
+    of the start-up request is logged, not raised."""
     from vllm.v1.engine.core import EngineCore
 
     original = EngineCore.__init__
@@ -134,7 +136,14 @@ def patch_engine_core() -> None:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        run(self)
+        try:
+            run(self)
+        except Exception as e:  # noqa: BLE001 - never keep an engine from starting
+            logger.warning("NVFP4 KV cache: the start-up request failed (%s: %s); the "
+                           "first-batch choices follow the first request served",
+                           type(e).__name__, e)
+            with contextlib.suppress(Exception):
+                self.abort_requests([REQUEST_ID])
 
     __init__._nvfp4kv = True
     EngineCore.__init__ = __init__
