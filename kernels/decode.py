@@ -392,12 +392,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
     return clamp_splits(want, max_seq_len, max_splits(programs, wave, rule))
 
 
-# above this head size the kernel pads D to 512 (G_PAD): 64- and 128-token tiles then hold
-# 255 registers a thread and spill (8-160 bytes) on sm_80/89/90, and 128-token tiles need
-# 150 KB of shared memory, more than an Ada SM has (100 KB): no program would launch. 32-token
-# tiles take 118-241 registers without a spill and 50 KB, 2-3 programs per SM on all three
-# (kernels/aot.py builds; tests/test_compile.py)
-LARGE_HEAD_DIM = 256
+# Tiles by head size where no Hopper launch applies (kernels/aot.py builds for sm_80/89/90
+# with triton 3.6 and 3.7; tests/test_compile.py). Above LARGE_HEAD_DIM the kernel pads D to
+# 512 (G_PAD): 64- and 128-token tiles hold 255 registers a thread and spill, and 128-token
+# tiles need 150 KB of shared memory, more than an Ada SM has (100 KB): no program would
+# launch. 32-token tiles: no spill, about 50 KB, 2-3 programs per SM. Above MID_HEAD_DIM,
+# 128-token tiles take 250-255 registers (spilling on sm_89 with triton 3.7); 64-token tiles
+# take 155-216 without a spill, 2-3 programs per SM.
+MID_HEAD_DIM, LARGE_HEAD_DIM = 128, 256
 
 
 def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,
@@ -405,13 +407,13 @@ def choose_block_n(num_splits: int, device: torch.device, head_dim: int = 128,
     """Tokens per tile: HOPPER_LAUNCHES' on Hopper (D = 128: 128, as fast as 64 or faster at
     110 of 116 split counts timed, at most 6% slower at the others); elsewhere, and under
     rule "per_sm8", 128 below 16 splits and 64 from 16 splits up (bench_decode --tune);
-    above LARGE_HEAD_DIM 32."""
+    above MID_HEAD_DIM 64, above LARGE_HEAD_DIM 32."""
     launch = _wave_launch(device, head_dim, rule, launches)
     if launch:
         return launch.block_n
     if head_dim > LARGE_HEAD_DIM:
         return 32
-    return 128 if num_splits < 16 else 64
+    return 128 if num_splits < 16 and head_dim <= MID_HEAD_DIM else 64
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

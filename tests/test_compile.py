@@ -111,9 +111,10 @@ def test_kernels_compile_for_sm80_sm89_sm90():
     for key, got in out["reduces"].items():
         assert got["stack"] == 0, (key, got)
     # the other head sizes up to 512: every launch the launcher picks fits an SM of each
-    # architecture without spilling (128-token tiles at D > 256 did not fit an Ada SM)
+    # architecture without spilling (128-token tiles at D > 256 did not fit an Ada SM, and
+    # spilled on it at D = 160 with triton 3.7)
     assert {k.rsplit(" ", 1)[0] for k in out["large_heads"]} == {
-        "D160 tile 128", "D160 tile 64", "D288 tile 32", "D512 tile 32"}
+        "D160 tile 64", "D288 tile 32", "D512 tile 32"}
     for key, got in out["large_heads"].items():
         assert got["programs_per_sm"] >= 1 and got["stack"] == 0, (key, got)
 

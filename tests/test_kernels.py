@@ -1116,6 +1116,8 @@ def test_choose_num_splits(monkeypatch):
     # the older rule by name (NVFP4KV_DECODE_VARIANT=per_sm8)
     assert K.choose_num_splits(1, 2, 10 ** 6, dev, rule="per_sm8") == math.ceil(8 * sms / 2)
     assert choose_block_n(32, dev, rule="per_sm8") == 64
+    # head sizes without a Hopper launch: smaller tiles as D grows (decode.LARGE_HEAD_DIM)
+    assert [choose_block_n(4, dev, head_dim=d) for d in (96, 160, 288, 512)] == [128, 64, 32, 32]
     # 132 SMs (H100 SXM, H200): grids that 64 splits fill at most half a wave of take up to
     # 128 (max_splits): batch x KV heads <= 3 at D = 128 and 256, <= 4 at D = 64. Every other
     # grid, and every tile, as under the cap of 64 everywhere (rule "waves_cap64", the cap64
