@@ -38,10 +38,18 @@ def engine_env() -> bool:
     return on_gpu
 
 
+def engine_memory(on_gpu: bool) -> dict:
+    """LLM(...) memory arguments of an eval's engine: half the GPU, or a 256 MiB KV cache and
+    no CUDA graphs on the CPU."""
+    return dict(gpu_memory_utilization=0.5) if on_gpu else dict(
+        kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+
+
 def block_size(on_gpu: bool) -> int:
-    """Tokens per KV page for an eval's engine: vLLM's CPU attention (BF16 and FP8 rows, and
-    every row from vLLM 0.32) takes multiples of 32; on a GPU the size vLLM's FA3 runs with."""
-    return 16 if on_gpu else 32
+    """Tokens per KV page for an eval's engine: on a GPU the size vLLM's FA3 runs with; on the
+    CPU what vLLM's CPU attention takes (compat.CPU_BLOCK_SIZE)."""
+    from vllm_nvfp4kv.compat import CPU_BLOCK_SIZE
+    return 16 if on_gpu else CPU_BLOCK_SIZE
 
 
 def _git_commit() -> str | None:

@@ -113,8 +113,7 @@ def score(model: str, kv_dtype: str, texts: list[str], chunk: int, on_gpu: bool,
           topk: int = 20, block_size: int = 16):
     """-> (nll, top1, topk logprobs {token: logprob}) per scored position."""
     from vllm import LLM, SamplingParams
-    kw = dict(gpu_memory_utilization=0.5) if on_gpu else dict(
-        kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+    kw = common.engine_memory(on_gpu)
     if kv_dtype.endswith(CALCULATED_SCALES):  # vLLM 0.26's own FP8 scale fitting
         kv_dtype, kw["calculate_kv_scales"] = kv_dtype.removesuffix(CALCULATED_SCALES), True
     kv_dtype, _, scales_file = kv_dtype.partition(FILE_SCALES)

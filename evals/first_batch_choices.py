@@ -30,8 +30,7 @@ def choices(model: str, first: str, adapt: bool, on_gpu: bool) -> dict:
     """The per-layer choices of one engine after it served `first`."""
     import torch
     from vllm import LLM, SamplingParams
-    kw = dict(gpu_memory_utilization=0.5) if on_gpu else dict(
-        enforce_eager=True, kv_cache_memory_bytes=256 << 20)
+    kw = common.engine_memory(on_gpu)
     llm = LLM(model=model, kv_cache_dtype="nvfp4", max_model_len=1024, seed=0, max_num_seqs=4,
               block_size=common.block_size(on_gpu),
               additional_config={"nvfp4kv": {"adapt_at_startup": adapt}}, **kw)

@@ -28,8 +28,9 @@ def main():
     on_gpu = common.engine_env()  # spawn on GPU, in-process engine on CPU
     model = args.model or str(assets.smollm2())
     from vllm import LLM, SamplingParams
-    kw = dict(gpu_memory_utilization=0.5) if on_gpu else dict(
-        kv_cache_memory_bytes=256 << 20, enforce_eager=True, max_num_seqs=8)
+    kw = common.engine_memory(on_gpu)
+    if not on_gpu:
+        kw["max_num_seqs"] = 8
     t = time.time()
     llm = LLM(model=model, kv_cache_dtype=args.kv_cache_dtype, max_model_len=2048,
               block_size=16, seed=0, **kw)

@@ -237,12 +237,12 @@ def count_cache_reads(kv_dtype: str):
     orig = prefill.gather_into
 
     def counted(kv_cache, block_table, cu_ctx, ctx_starts, ctx_dst, ws_k, ws_v, k_scale,
-                v_scale, max_ctx, head_size):
+                v_scale, max_ctx):
         stats["gather_calls"] += 1
         stats["gathered_rows"] += int(cu_ctx[-1])
         stats["max_prefix"] = max(stats["max_prefix"], int(max_ctx))
         return orig(kv_cache, block_table, cu_ctx, ctx_starts, ctx_dst, ws_k, ws_v, k_scale,
-                    v_scale, max_ctx, head_size)
+                    v_scale, max_ctx)
 
     prefill.gather_into = counted
     try:

@@ -3,6 +3,9 @@ from pathlib import Path
 
 import torch
 
+# the page size of the tests' CPU engines (compat says why)
+from vllm_nvfp4kv.compat import CPU_BLOCK_SIZE  # noqa: F401
+
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
@@ -17,9 +20,6 @@ def garbage(shape, gen) -> torch.Tensor:
     return x
 
 
-# vLLM's CPU_ATTN (the BF16 engines the tests compare against) takes blocks of a multiple of
-# 16 tokens in 0.26 and of 32 from 0.32: one size that both lines, and our backend, accept
-CPU_BLOCK_SIZE = 32
 
 
 def nvfp4_spec(block_size: int, num_kv_heads: int, head_size: int, head_size_v=None):

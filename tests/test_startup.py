@@ -18,10 +18,16 @@ from vllm_nvfp4kv.config import NvFp4KVConfig
 MODEL = str(Path(__file__).resolve().parents[1] / "evals" / "models" / "tiny-llama")
 
 
-def _vllm_config(dtype="nvfp4", runner="generate", dp=1):
-    return SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=dtype),
-                           model_config=SimpleNamespace(runner_type=runner),
-                           parallel_config=SimpleNamespace(data_parallel_size=dp))
+class _VllmConfig(SimpleNamespace):
+    pass  # weak-referenceable, as config.for_engine keeps its engines
+
+
+def _core_config(dtype="nvfp4", runner="generate", dp=1, max_model_len=100, **options):
+    mc = SimpleNamespace(runner_type=runner, skip_tokenizer_init=True,
+                         get_vocab_size=lambda: 500, max_model_len=max_model_len)
+    return _VllmConfig(cache_config=SimpleNamespace(cache_dtype=dtype), model_config=mc,
+                       parallel_config=SimpleNamespace(data_parallel_size=dp),
+                       additional_config={"nvfp4kv": options})
 
 
 @pytest.mark.parametrize("kw, cfg, reason", [
@@ -33,7 +39,7 @@ def _vllm_config(dtype="nvfp4", runner="generate", dp=1):
     ({"dp": 2}, {}, "data parallel"),
 ])
 def test_when_the_startup_request_runs(kw, cfg, reason):
-    got = startup.skip_reason(_vllm_config(**kw), NvFp4KVConfig(**cfg))
+    got = startup.skip_reason(_core_config(**kw), NvFp4KVConfig(**cfg))
     assert got == reason if reason is None else reason in got
 
 
@@ -67,18 +73,6 @@ class _FakeCore:
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
-
-
-class _VllmConfig(SimpleNamespace):
-    pass  # weak-referenceable, as config.for_engine keeps its engines
-
-
-def _core_config(dtype="nvfp4", max_model_len=100, **options):
-    mc = SimpleNamespace(runner_type="generate", skip_tokenizer_init=True,
-                         get_vocab_size=lambda: 500, max_model_len=max_model_len)
-    return _VllmConfig(cache_config=SimpleNamespace(cache_dtype=dtype), model_config=mc,
-                       parallel_config=SimpleNamespace(data_parallel_size=1),
-                       additional_config={"nvfp4kv": options})
 
 
 def test_run_steps_the_request_to_the_end_and_leaves_no_prefix():

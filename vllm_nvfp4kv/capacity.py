@@ -9,6 +9,12 @@ logger = logging.getLogger("vllm.nvfp4kv")
 _logged = False
 
 
+def same_memory_tokens(tokens: int, head_size: int) -> tuple[int, int]:
+    """The tokens an FP8 and a BF16 cache hold in the memory of `tokens` NVFP4 tokens."""
+    nvfp4 = 2 * row_bytes(head_size)  # K + V bytes per token, head and layer
+    return tokens * nvfp4 // (2 * head_size), tokens * nvfp4 // (4 * head_size)
+
+
 def log_capacity(vllm_config, head_size: int, ws_rows: int, kv_heads: int) -> None:
     """KV capacity in tokens and what FP8 / BF16 would hold in the same memory (the workspace
     was counted before the KV cache was sized). Once per process, when vLLM knows the blocks."""
@@ -28,7 +34,7 @@ def log_capacity(vllm_config, head_size: int, ws_rows: int, kv_heads: int) -> No
         "NVFP4 KV cache (vllm-nvfp4kv): %s %s, %.2fx the %s %s an FP8 cache holds in "
         "the same memory (%.2fx BF16); %d bytes per token per KV head; dequantization "
         "workspace %d rows x %d KV heads%s", f"{tokens:,}", unit, 2 * head_size / per_token,
-        f"{tokens * per_token // (2 * head_size):,}", unit, 4 * head_size / per_token,
+        f"{same_memory_tokens(tokens, head_size)[0]:,}", unit, 4 * head_size / per_token,
         per_token, ws_rows, kv_heads,
         "; hybrid model: the slots of one block pool shared by its layer groups, vLLM's "
         "'GPU KV cache size' line gives the tokens a request can use" if hybrid else "")

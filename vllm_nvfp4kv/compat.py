@@ -30,6 +30,10 @@ import re
 SUPPORTED_LINES: tuple[tuple[int, int], ...] = ((0, 26), (0, 32), (0, 33), (0, 34))
 LAYOUT_API = (0, 32)  # first line with KVCacheLayout / customize_spec
 
+# tokens per page on vLLM's CPU engine: its attention (CPU_ATTN, also FP8) takes multiples of
+# 32 from 0.32 (0.26: of 16); 32 suits both lines
+CPU_BLOCK_SIZE = 32
+
 # kv_cache_dtype -> the writer's block-scale rule it implies (None: the configured rule)
 NVFP4_CACHE_DTYPES: dict[str, str | None] = {"nvfp4": None, "nvfp4_4over6": "4over6"}
 

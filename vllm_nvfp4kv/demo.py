@@ -15,10 +15,12 @@ import os
 import subprocess
 import sys
 
+from vllm_nvfp4kv.compat import CPU_BLOCK_SIZE
+from vllm_nvfp4kv.capacity import same_memory_tokens
+
 PROMPTS = ("What is the capital of France?", "List three primary colors.",
            "Write one sentence about the ocean.")
 CPU_KV_BYTES = 256 << 20
-CPU_BLOCK_SIZE = 32  # vLLM's CPU attention (the BF16 run) takes multiples of 32 from 0.32
 
 
 def _engine_kwargs(on_gpu: bool) -> dict:
@@ -43,6 +45,7 @@ def _worker(model: str, dtype: str, prompts: list[str], max_tokens: int) -> dict
     return dict(
         device="GPU" if on_gpu else "CPU",
         tokens=cache.num_gpu_blocks * cache.block_size,
+        head_size=llm.llm_engine.vllm_config.model_config.get_head_size(),
         layers=hf.num_hidden_layers,
         answers=[dict(text=o.outputs[0].text.strip(), ids=list(o.outputs[0].token_ids),
                       top2=[sorted((v.logprob for v in lp.values()), reverse=True)[:2]
@@ -101,9 +104,9 @@ def main(argv=None) -> None:
         print(f"Q: {p}\n  BF16 : {r['text']}\n  NVFP4: {o['text']}\n  -> {verdict}\n")
     print(f"{same} of {len(args.prompt)} answers identical.")
     tokens = ours["tokens"]
-    # K + V per token, layer and KV head: NVFP4 D/2 + D/16 bytes a side, FP8 D, BF16 2 D
+    fp8, bf16 = same_memory_tokens(tokens, ours["head_size"])
     print(f"KV cache in the same memory: NVFP4 {tokens:,} tokens; an FP8 cache holds "
-          f"{tokens * 9 // 16:,} (NVFP4: 1.78x), BF16 {tokens * 9 // 32:,} (3.56x). "
+          f"{fp8:,} (NVFP4: {tokens / fp8:.2f}x), BF16 {bf16:,} ({tokens / bf16:.2f}x). "
           f"The BF16 run here held {ref['tokens']:,}.")
 
 

@@ -180,7 +180,7 @@ def _long_tensors(lp: LongPrefix, device) -> dict:
 
 
 def gather_into(kv_cache, block_table, cu_ctx, ctx_starts, ctx_dst, ws_k, ws_v, k_scale,
-                v_scale, max_ctx, head_size) -> None:
+                v_scale, max_ctx) -> None:
     """Dequantize prefixes into workspace rows (ops.gather_cache). An FP8 workspace gets
     (e2m1 * e4m3) / FP8_DIV: the global scales go to the attention's descale."""
     fp8 = ws_k.dtype == torch.float8_e4m3fn
@@ -236,8 +236,7 @@ def run_prefill(plan: PrefillPlan, x: PrefillInputs) -> None:
             k, v = key[rnd.t0:rnd.t1], value[rnd.t0:rnd.t1]
         else:                   # path 2: cached prefixes + chunk in the workspace
             gather_into(x.kv_cache, x.block_table[rnd.r0:rnd.r1], rnd.cu_ctx, rnd.ctx_starts,
-                        rnd.ctx_dst, x.ws_k, x.ws_v, x.k_scale, x.v_scale, rnd.max_ctx,
-                        x.q.shape[-1])
+                        rnd.ctx_dst, x.ws_k, x.ws_v, x.k_scale, x.v_scale, rnd.max_ctx)
             qs = x.space.query(qs)
             if rnd.chunk_dst is not None:  # the chunk's exact K/V join the prefix
                 _put_chunk(key[rnd.t0:rnd.t1], value[rnd.t0:rnd.t1], rnd.chunk_dst, x.ws_k,
@@ -260,12 +259,12 @@ def _run_long(lp: LongPrefix, x: PrefillInputs, key: torch.Tensor, value: torch.
     with the sinks), merged by LSE, all in the cache's space (run_prefill). key / value: the
     step's, made finite."""
     a, space = x.attn, x.space
-    qs, q_len, d = space.query(x.q[lp.t0:lp.t1]), lp.t1 - lp.t0, x.q.shape[-1]
+    qs, q_len = space.query(x.q[lp.t0:lp.t1]), lp.t1 - lp.t0
     t = lp.tensors
     k, v = space.key(key[lp.t0:lp.t1]), space.value(value[lp.t0:lp.t1])
     if lp.chunk_from_cache:
         gather_into(x.kv_cache, x.block_table[lp.r:lp.r + 1], t["cu_q"], t["chunk_start"],
-                    t["cu_q"][:1], x.ws_k, x.ws_v, x.k_scale, x.v_scale, q_len, d)
+                    t["cu_q"][:1], x.ws_k, x.ws_v, x.k_scale, x.v_scale, q_len)
         k, v = x.ws_k[:q_len].clone(), x.ws_v[:q_len].clone()  # the pieces reuse the workspace
         if k.dtype == torch.float8_e4m3fn:  # this call attends in the model dtype
             k = (k.float() * (x.k_scale * FP8_DIV)).to(qs.dtype)
@@ -283,7 +282,7 @@ def _run_long(lp: LongPrefix, x: PrefillInputs, key: torch.Tensor, value: torch.
     for s, n in lp.pieces:
         cu_k, cu_k_cpu, start = t[(s, n)]
         gather_into(x.kv_cache, x.block_table[lp.r:lp.r + 1], cu_k, start, cu_k[:1], x.ws_k,
-                    x.ws_v, x.k_scale, x.v_scale, n, d)
+                    x.ws_v, x.k_scale, x.v_scale, n)
         plse = dense_attention(qp, x.ws_k[:n], x.ws_v[:n], part, t["cu_q"], cu_k, q_len, n,
                                a.scale, False, None, a.softcap, None, a.fa_version,
                                t["cu_q_cpu"], cu_k_cpu, return_lse=True, descale=descale)
