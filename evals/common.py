@@ -38,11 +38,74 @@ def engine_env() -> bool:
     return on_gpu
 
 
-def engine_memory(on_gpu: bool) -> dict:
-    """LLM(...) memory arguments of an eval's engine: half the GPU, or a 256 MiB KV cache and
-    no CUDA graphs on the CPU."""
-    return dict(gpu_memory_utilization=0.5) if on_gpu else dict(
-        kv_cache_memory_bytes=256 << 20, enforce_eager=True)
+def engine_memory(on_gpu: bool, gpu_share: float = 0.5,
+                  kv_cache_bytes: int | None = None) -> dict:
+    """LLM(...) memory arguments of an eval's engine: `gpu_share` of the GPU, or a 256 MiB KV
+    cache and no CUDA graphs on the CPU. With kv_cache_bytes a KV cache of that size instead,
+    for engines side by side on one GPU: vLLM then skips its memory profile (which another
+    process's allocations would upset) and only checks that a tenth of the GPU is free."""
+    if not on_gpu:
+        return dict(kv_cache_memory_bytes=kv_cache_bytes or 256 << 20, enforce_eager=True)
+    if kv_cache_bytes:
+        return dict(kv_cache_memory_bytes=kv_cache_bytes, gpu_memory_utilization=0.1)
+    return dict(gpu_memory_utilization=gpu_share)
+
+
+# The KV caches the eval scripts compare, named by a "spec": a kv_cache_dtype vLLM takes
+# (auto, fp8, nvfp4, fp8_per_token_head, int4_per_token_head, turboquant_4bit_nc, ...), or
+# FP8 with scales that fit (vLLM's FP8 cache divides by 1.0 unless a checkpoint has scales):
+#   fp8+calculate_kv_scales  vLLM <= 0.31 fits its own (amax / 200 of the first batch it
+#                            runs: its profile run's)
+#   fp8+scales=FILE          per-layer amax / 448 from a scales file of evals.calibrate (its
+#                            "_meta" "amax"), set after loading where a checkpoint's k_scale /
+#                            v_scale end up
+CALCULATED_SCALES = "+calculate_kv_scales"
+FILE_SCALES = "+scales="
+
+
+def kv_spec(spec: str) -> tuple[str, dict, str | None]:
+    """A spec -> (kv_cache_dtype, extra LLM(...) arguments, scales file or None)."""
+    kw: dict = {}
+    if spec.endswith(CALCULATED_SCALES):
+        spec, kw["calculate_kv_scales"] = spec.removesuffix(CALCULATED_SCALES), True
+    kv_dtype, _, scales_file = spec.partition(FILE_SCALES)
+    if scales_file:
+        if kv_dtype != "fp8":
+            raise SystemExit(f"{spec}: a scales file sets FP8 scales (fp8{FILE_SCALES}FILE)")
+        amax_per_layer(scales_file)  # fails here, before an engine starts
+        # the scales reach the engine process as a pickled function (LLM.apply_model)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    return kv_dtype, kw, scales_file or None
+
+
+def amax_per_layer(path: str) -> dict[str, list[float]]:
+    meta = json.loads(Path(path).read_text())["_meta"]
+    if "amax_k_note" in meta:
+        raise SystemExit(f"{path}: K amax of centered keys; calibrate without --center-k")
+    return meta["amax"]
+
+
+def _fill_fp8_scales(amax: dict[str, list[float]], model) -> int:
+    """In the engine: each named attention layer's k/v scale (the tensor and the float vLLM's
+    attention reads) = amax / 448, E4M3's largest finite value. -> layers set."""
+    n = 0
+    for m in model.modules():
+        if getattr(m, "layer_name", None) in amax:
+            for side, a in zip("kv", amax[m.layer_name]):
+                scale = max(float(a), 1e-6) / 448.0
+                getattr(m, f"_{side}_scale").fill_(scale)
+                setattr(m, f"_{side}_scale_float", scale)
+            n += 1
+    return n
+
+
+def set_fp8_scales(llm, path: str) -> int:
+    """The FP8 scales of a scales file in every worker of a started LLM; -> layers set."""
+    import functools
+    n = sum(llm.apply_model(functools.partial(_fill_fp8_scales, amax_per_layer(path))))
+    if not n:
+        raise SystemExit(f"{path}: no layer of this model")
+    return n
 
 
 def block_size(on_gpu: bool) -> int:

@@ -81,47 +81,17 @@ def header(model: str, texts: int, chunk: int, block_size: int, topk: int, on_gp
             "kl": f"top-{topk} + rest", **fields, "run": common.run_info(on_gpu), "rows": []}
 
 
-# a --dtypes suffix: the engine fits its own K/V scales (vLLM <= 0.31's --calculate-kv-scales,
-# amax / 200 of the first batch it runs, its profile run's)
-CALCULATED_SCALES = "+calculate_kv_scales"
-
-
-# a --dtypes suffix "+scales=FILE": FP8 with per-layer scales amax / 448 from the K/V amax a
-# scales file of vllm_nvfp4kv.calibration records (its "_meta" "amax"), set on each attention
-# layer after loading where a checkpoint's k_scale / v_scale end up
-FILE_SCALES = "+scales="
-
-
-def set_fp8_scales(llm, path: str) -> None:
-    """Each attention layer's FP8 k/v scales from a scales file's recorded amax (engine in
-    this process: vLLM's CPU engine here)."""
-    amax = json.loads(Path(path).read_text())["_meta"]["amax"]
-    if "amax_k_note" in json.loads(Path(path).read_text())["_meta"]:
-        raise SystemExit(f"{path}: K amax of centered keys; calibrate without --center-k")
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    layers = [m for m in runner.model.modules() if getattr(m, "layer_name", None) in amax]
-    if not layers:
-        raise SystemExit(f"{path}: no layer of this model")
-    for m in layers:
-        for side, a in zip("kv", amax[m.layer_name]):
-            scale = max(float(a), 1e-6) / 448.0  # E4M3's largest finite value
-            getattr(m, f"_{side}_scale").fill_(scale)
-            setattr(m, f"_{side}_scale_float", scale)
-
-
 def score(model: str, kv_dtype: str, texts: list[str], chunk: int, on_gpu: bool,
           topk: int = 20, block_size: int = 16):
     """-> (nll, top1, topk logprobs {token: logprob}) per scored position."""
     from vllm import LLM, SamplingParams
-    kw = common.engine_memory(on_gpu)
-    if kv_dtype.endswith(CALCULATED_SCALES):  # vLLM 0.26's own FP8 scale fitting
-        kv_dtype, kw["calculate_kv_scales"] = kv_dtype.removesuffix(CALCULATED_SCALES), True
-    kv_dtype, _, scales_file = kv_dtype.partition(FILE_SCALES)
+    kv_dtype, kw, scales_file = common.kv_spec(kv_dtype)
+    kw.update(common.engine_memory(on_gpu))
     llm = LLM(model=model, kv_cache_dtype=kv_dtype, max_model_len=1024, block_size=block_size,
               max_num_batched_tokens=chunk, max_num_seqs=8, enable_prefix_caching=False,
               seed=0, max_logprobs=topk, **kw)
     if scales_file:
-        set_fp8_scales(llm, scales_file)
+        common.set_fp8_scales(llm, scales_file)
     tok = llm.get_tokenizer()
     prompts = [{"prompt_token_ids": tok(t)["input_ids"][:1000]} for t in texts]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=topk,
@@ -198,9 +168,9 @@ def main():
     ap.add_argument("--model", help="HF folder, or smollm2 (default) / qwen / gemma: a "
                     "packaged model (evals/assets.py)")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8", "nvfp4"],
-                    help=f"KV cache dtypes, the first the reference; a dtype + "
-                         f"{CALCULATED_SCALES!r}: with vLLM's fitted scales (<= 0.31); fp8"
-                         f"{FILE_SCALES}FILE: FP8 with per-layer scales from a scales file")
+                    help="KV caches (specs, evals/common.py: a kv_cache_dtype, "
+                         "fp8+calculate_kv_scales or fp8+scales=FILE), the first the "
+                         "reference")
     ap.add_argument("--texts", type=int, default=24)
     ap.add_argument("--chunk", type=int, default=32, help="max_num_batched_tokens")
     ap.add_argument("--out", default="evals/results/fidelity.json")

@@ -71,6 +71,50 @@ done
 python3 -P -m evals.needle --join "${files[@]}" --out "$OUT/needle_mt_qwen_${GPU}.json" 2>&1 \
     | grep -E "^\||rror"'''
 
+# Qwen's accuracy against every baseline of #36, side by side on the one GPU (evals/side_by_side.py:
+# accuracy only, at most 6 engines at once, each with its own KV budget); launched in the
+# background so that later calls can pack what has finished (stage accuracy-collect)
+FP8_SCALES = "fp8+scales=evals/results/scales_qwen2.5_coder_1.5b_cpu.json"
+PEERS = f"{FP8_SCALES} fp8+calculate_kv_scales fp8_per_token_head int4_per_token_head " \
+    "turboquant_4bit_nc nvfp4"
+ACCURACY = r'''mkdir -p /tmp/acc; jobs=()
+tag() { local t=${1%%=*}; echo "${t//+/_}"; }  # fp8+scales=FILE -> fp8_scales
+run() { echo "python3 -P -m evals.$1 --model qwen $2 --out /tmp/acc/$3.json"; }
+for s in ${GSM8K_SPECS:-PEERS}; do t=$(tag "$s")
+  jobs+=(--job "gsm8k_$t=$(run lm_eval_kv "--dtypes $s --kv-cache-memory-bytes 4294967296" gsm8k_qwen_${GPU}_$t)")
+done
+for s in ${NEEDLE_SPECS:-auto nvfp4 FP8_SCALES fp8_per_token_head int4_per_token_head turboquant_4bit_nc}; do t=$(tag "$s")
+  jobs+=(--job "needle_$t=$(run needle "--dtypes $s --items-per-cell 4 --kv-cache-memory-bytes 6442450944" needle_qwen_${GPU}_$t)")
+done
+for s in ${NEEDLE_MT_SPECS:-auto nvfp4 FP8_SCALES}; do t=$(tag "$s")
+  jobs+=(--job "needle_mt_$t=$(run needle "--dtypes $s --multiturn 0 1 2 4 8 16 --items-per-cell 64 --max-num-seqs 64 --reply-tokens 128 --kv-cache-memory-bytes 6442450944" needle_mt_qwen_${GPU}_$t)")
+done
+for s in ${MMLU_SPECS:-auto fp8 PEERS}; do t=$(tag "$s")
+  jobs+=(--job "mmlu_$t=$(run lm_eval_kv "--task mmlu --limit 1000 --dtypes $s --kv-cache-memory-bytes 3221225472" mmlu1000_qwen_${GPU}_$t)")
+done
+setsid nohup python3 -P -m evals.side_by_side --dir /tmp/acc --max-running 6 --stagger-s 20 \
+    --deadline-s ${ACCURACY_DEADLINE_S:-1500} "${jobs[@]}" > /tmp/acc/side_by_side.out 2>&1 < /dev/null &
+sleep 5; cat /tmp/acc/status.json | python3 -c "import json,sys; [print(k, v['state']) for k, v in json.load(sys.stdin).items()]"'''.replace(
+    "FP8_SCALES", FP8_SCALES).replace("PEERS", PEERS)
+
+ACCURACY_COLLECT = r'''sleep ${WAIT_S:-0}
+python3 - <<'PY'
+import glob, json
+st = json.load(open("/tmp/acc/status.json"))
+for k, v in st.items():
+    print(f"{k:<32} {v['state']:<22} exit={v.get('exit')} {v.get('start_s')}-{v.get('end_s')} {v.get('stopped', '')}")
+for f in sorted(glob.glob("/tmp/acc/*.json")):
+    if f.endswith("status.json"):
+        continue
+    try:
+        for r in json.load(open(f))["rows"]:
+            print(f.split("/")[-1], r["kv_dtype"][:40], r.get("accuracy", r.get("summary", {}).get("all", r.get("error"))))
+    except Exception as e:
+        print(f, "unreadable:", e)
+PY
+for f in /tmp/acc/*.log; do grep -lE "Traceback|Error" "$f" >/dev/null && { echo "== $f"; grep -E "Error|error" "$f" | tail -3; }; done
+tar czf "$OUT/accuracy_${GPU}.tar.gz" -C /tmp/acc .'''
+
 GENERATE_LINES = r'grep -E "CUSTOM|NVFP4 KV cache|engine ready|^Q:|^A:|KV cache:|Error"'
 
 STAGES: dict[str, Stage] = {
@@ -172,6 +216,19 @@ done'''),
         r'''AB_VARIANTS="$PIPELINE_VARIANTS" timeout 330 bash "$0" ab
 timeout 170 python3 -P -m pytest -q -x tests/test_kernels.py -k "decode or block_n" \
     2>&1 | tail -3'''),
+    "kernel-bg": Stage(
+        "#35's open kernel checks, meant to run in the background (setsid) while later calls "
+        "carry model pieces (needs p1 + p2): the split cap A/B (up to 128 splits against the "
+        "old cap of 64) at the head sizes of real models, the kernel tests at every supported "
+        "head size, and ours alone at head sizes above FA3's 256",
+        r'''timeout 330 python3 -P -m evals.bench_decode --ab --variants cap64 \
+    --heads 9/3/64 4/1/256 16/2/256 12/2/128 32/8/128 \
+    --shapes 1x32768 1x131072 2x32768 4x32768 17x32768 --rep-ms 25 \
+    --out "$OUT/decode_ab_splitcap_${GPU}.json" 2>&1 | quiet | tail -30
+timeout 240 python3 -P -m pytest -q tests/test_kernels.py -k "head_size" 2>&1 | tail -3
+timeout 200 python3 -P -m evals.bench_decode --heads 16/2/160 8/1/288 8/1/512 --baselines \
+    --batch 1 16 --ctx 32768 131072 --rep-ms 25 --out "$OUT/decode_large_heads_${GPU}.json" \
+    2>&1 | quiet | tail -14'''),
     "put": Stage(
         "the chunk's K/V into the prefill workspace: put_rows against the torch ops it "
         "replaced, and its tests (no vLLM engine)",
@@ -318,6 +375,16 @@ timeout 580 python3 -P -m evals.lm_eval_kv --model qwen --dtypes ${GSM8K_DTYPES:
         "multi-turn recall: keys stated, then 16 GSM8K turns (128-token replies), asked "
         "after 0-16 turns; 64 conversations, one process per dtype (~2 min each, ~6 min in "
         "all), joined; NEEDLE_DTYPES: others", NEEDLE_MT_QWEN),
+    "accuracy": Stage(
+        "Qwen against every baseline (#36), side by side in the background (after stage "
+        "qwen): GSM8K for FP8 with fitted scales (a calibration file; vLLM's own), "
+        "fp8_per_token_head, int4_per_token_head, turboquant_4bit_nc (needs p4+p5) and NVFP4, "
+        "then needles at 4K-32K, multi-turn recall, MMLU's first 1,000; GSM8K_SPECS, "
+        "NEEDLE_SPECS, NEEDLE_MT_SPECS, MMLU_SPECS narrow it; then accuracy-collect",
+        ACCURACY),
+    "accuracy-collect": Stage(
+        "after WAIT_S seconds: what stage accuracy has finished, its results packed into "
+        "$OUT/accuracy_GPU.tar.gz (the jobs run on)", ACCURACY_COLLECT),
     "decode-check": Stage(
         "greedy generation (decode path) against BF16; NVFP4 with the Qwen scales file when "
         "present",

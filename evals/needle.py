@@ -231,20 +231,21 @@ def score(text: str, value: int) -> tuple[float, str | None]:
 
 
 def engine_args(model: str, kv_dtype: str, max_model_len: int, chunk: int, max_num_seqs: int,
-                prefix_caching: bool, on_gpu: bool) -> dict:
+                prefix_caching: bool, on_gpu: bool, kv_cache_bytes: int | None = None) -> dict:
     """LLM(...) arguments: chunked prefill forced, at most `chunk` tokens a step (module
-    docstring); 0: vLLM's own scheduling."""
-    kw = dict(model=model, kv_cache_dtype=kv_dtype, max_model_len=max_model_len,
+    docstring); 0: vLLM's own scheduling. kv_dtype: a KV spec less its scales file
+    (common.kv_spec)."""
+    kv_dtype, kw, _ = common.kv_spec(kv_dtype)
+    kw.update(model=model, kv_cache_dtype=kv_dtype, max_model_len=max_model_len,
               block_size=common.block_size(on_gpu), seed=0, max_num_seqs=max_num_seqs,
               enable_prefix_caching=prefix_caching)
     if chunk:
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
-    if on_gpu:
-        kw.update(gpu_memory_utilization=0.85)
-    else:  # BF16-sized pages for every running request's whole context
+    if not on_gpu and not kv_cache_bytes:  # BF16-sized pages for every running request
         cfg = json.loads((Path(model) / "config.json").read_text())
         need = assets.kv_bytes_per_token(cfg, "auto") * max_model_len * max_num_seqs
-        kw.update(enforce_eager=True, kv_cache_memory_bytes=max(need * 5 // 4, 128 << 20))
+        kv_cache_bytes = max(need * 5 // 4, 128 << 20)
+    kw.update(common.engine_memory(on_gpu, 0.85, kv_cache_bytes))
     return kw
 
 
@@ -307,18 +308,21 @@ def run_multiturn(llm, convs: list[dict], turns: list[int], reply_tokens: int) -
 
 def measure(model: str, kv_dtype: str, items: list[dict], on_gpu: bool, chunk: int,
             max_num_seqs: int, max_model_len: int, turns: list[int] | None = None,
-            reply_tokens: int = 96) -> dict:
+            reply_tokens: int = 96, kv_cache_bytes: int | None = None) -> dict:
     """One dtype's row: its engine (chunked prefill forced), the items scored (needle_items,
     or with `turns` multiturn_items), the NVFP4 backend's cached-row gathers where visible,
     times; an error row where the engine or the run fails (e.g. a dtype this vLLM or device
     does not run)."""
     from vllm import LLM
-    kw = engine_args(model, kv_dtype, max_model_len, chunk, max_num_seqs, bool(turns), on_gpu)
+    kw = engine_args(model, kv_dtype, max_model_len, chunk, max_num_seqs, bool(turns), on_gpu,
+                     kv_cache_bytes)
     row = {"kv_dtype": kv_dtype, "engine_args": {k: v for k, v in kw.items() if k != "model"}}
     try:
         t0 = time.time()
-        with lm_eval_kv.count_cache_reads(kv_dtype) as reads:
+        with lm_eval_kv.count_cache_reads(kw["kv_cache_dtype"]) as reads:
             llm = LLM(**kw)
+            if scales_file := common.kv_spec(kv_dtype)[2]:
+                common.set_fp8_scales(llm, scales_file)
             row["scheduling"] = effective_scheduling(llm)
             t1 = time.time()
             row.update(run_multiturn(llm, items, turns, reply_tokens) if turns
@@ -448,8 +452,11 @@ def main():
     ap.add_argument("--model", default="smollm2", help="smollm2 (default), qwen, gemma "
                     "(packaged, evals/assets.py) or an HF folder")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "fp8", "nvfp4"],
-                    help="KV cache dtypes, one process each (any vLLM accepts, e.g. "
-                    "fp8_per_token_head, int4_per_token_head, turboquant_4bit_nc)")
+                    help="KV caches, one process each: any kv_cache_dtype vLLM accepts "
+                    "(e.g. fp8_per_token_head, int4_per_token_head, turboquant_4bit_nc), or "
+                    "fp8+calculate_kv_scales / fp8+scales=FILE (evals/common.py kv_spec)")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, help="a KV cache of this size "
+                    "instead of 85%% of the GPU: engines side by side on one GPU")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32760],
                     help="prompt tokens, exact (32760 + 8 answer tokens = Qwen's 32K)")
     ap.add_argument("--depths", type=float, nargs="+", default=[0, 0.25, 0.5, 0.75, 1.0])
@@ -520,7 +527,7 @@ def run(args) -> dict:
     t0 = time.time()
     res["rows"] = common.rows_per_dtype("evals.needle", args.dtypes, args.out, lambda dt: measure(
         model, dt, items, on_gpu, args.prefill_chunk, args.max_num_seqs, max_model_len,
-        args.multiturn, args.reply_tokens))
+        args.multiturn, args.reply_tokens, args.kv_cache_memory_bytes))
     res["wall_s"] = time.time() - t0
     summarize(res)
     return res

@@ -5,6 +5,8 @@ import sys
 import time
 from unittest import mock
 
+import pytest
+
 from evals import common
 
 # a stand-in eval script: parses --dtypes/--out like bench_e2e and writes one row per dtype,
@@ -216,14 +218,16 @@ def test_gpu_gaps_sums_idle_time_between_kernels():
     assert profile_step.gpu_gaps([], 3) == {"span_us": 0.0, "idle_us": 0.0, "top_gaps": []}
 
 
-def test_fp8_scales_from_a_scales_file(tmp_path):
-    """fidelity's FP8 row with fitted scales: each named layer's k/v scale (tensor and float,
-    what vLLM's attention reads) becomes amax / 448; other layers keep theirs."""
+def test_fp8_scales_from_a_scales_file(tmp_path, monkeypatch):
+    """The FP8 baseline with fitted scales: each named layer's k/v scale (tensor and float,
+    what vLLM's attention reads) becomes amax / 448; other layers keep theirs. The function
+    reaches the engine through LLM.apply_model, pickled where the engine is another process."""
+    import pickle
     from types import SimpleNamespace
 
     import torch
 
-    from evals import fidelity
+    from evals import common
 
     class Layer(torch.nn.Module):
         def __init__(self, name):
@@ -232,12 +236,38 @@ def test_fp8_scales_from_a_scales_file(tmp_path):
             self._k_scale_float = self._v_scale_float = 1.0
 
     model = torch.nn.Sequential(Layer("a"), Layer("b"))
-    runner = SimpleNamespace(model=model)
-    llm = SimpleNamespace(llm_engine=SimpleNamespace(model_executor=SimpleNamespace(
-        driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner)))))
+    llm = SimpleNamespace(apply_model=lambda fn: [pickle.loads(pickle.dumps(fn))(model)])
     f = tmp_path / "scales.json"
     f.write_text(json.dumps({"a": [1.0, 1.0], "_meta": {"amax": {"a": [224.0, 896.0]}}}))
-    fidelity.set_fp8_scales(llm, str(f))
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")  # restored after the test
+    assert common.kv_spec(f"fp8+scales={f}") == ("fp8", {}, str(f))
+    assert common.kv_spec("fp8+calculate_kv_scales") == ("fp8", {"calculate_kv_scales": True},
+                                                         None)
+    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    assert common.kv_spec("nvfp4") == ("nvfp4", {}, None)
+    with pytest.raises(SystemExit):
+        common.kv_spec(f"nvfp4+scales={f}")
+    assert common.set_fp8_scales(llm, str(f)) == 1
     assert (model[0]._k_scale.item(), model[0]._v_scale.item()) == (0.5, 2.0)
     assert (model[0]._k_scale_float, model[0]._v_scale_float) == (0.5, 2.0)
     assert (model[1]._k_scale.item(), model[1]._k_scale_float) == (1.0, 1.0)
+
+
+def test_side_by_side_runs_at_most_n_and_stops_at_the_deadline(tmp_path):
+    """evals.side_by_side: every job runs (never more than max_running at once), each with
+    its own log and exit status; one past the deadline is stopped, and one not yet started by
+    then never starts."""
+    from evals import side_by_side
+    count = tmp_path / "count"
+    # each job notes how many run beside it (a file per running job)
+    body = (f"touch {count}.$$; ls {count}.* | wc -l >> {tmp_path}/seen; sleep 0.6; "
+            f"rm {count}.$$; echo ok")
+    jobs = [(f"j{i}", body) for i in range(4)] + [("slow", "sleep 30"), ("late", "echo no")]
+    st = side_by_side.run(jobs, tmp_path / "out", max_running=2, stagger_s=0,
+                          deadline_s=4, poll_s=0.05)
+    assert [st[f"j{i}"]["exit"] for i in range(4)] == [0] * 4
+    assert (tmp_path / "out" / "j0.log").read_text() == "ok\n"
+    assert max(int(x) for x in (tmp_path / "seen").read_text().split()) <= 2
+    assert st["slow"]["stopped"] == "at the deadline" and st["slow"]["exit"] != 0
+    assert st["late"]["state"] in ("done", "not started: deadline")
+    assert json.loads((tmp_path / "out" / "status.json").read_text()) == st
