@@ -75,12 +75,12 @@ python3 -P -m evals.needle --join "${files[@]}" --out "$OUT/needle_mt_qwen_${GPU
 # accuracy only, at most 6 engines at once, each with its own KV budget); launched in the
 # background so that later calls can pack what has finished (stage accuracy-collect)
 FP8_SCALES = "fp8+scales=evals/results/scales_qwen2.5_coder_1.5b_cpu.json"
-PEERS = f"{FP8_SCALES} fp8+calculate_kv_scales fp8_per_token_head int4_per_token_head " \
-    "turboquant_4bit_nc nvfp4"
+PEERS = f"nvfp4 {FP8_SCALES} fp8_per_token_head int4_per_token_head turboquant_4bit_nc " \
+    "fp8+calculate_kv_scales"
 ACCURACY = r'''mkdir -p /tmp/acc; jobs=()
 tag() { local t=${1%%=*}; echo "${t//+/_}"; }  # fp8+scales=FILE -> fp8_scales
 run() { echo "python3 -P -m evals.$1 --model qwen $2 --out /tmp/acc/$3.json"; }
-for s in ${GSM8K_SPECS:-PEERS}; do t=$(tag "$s")
+for s in ${GSM8K_SPECS:-PEERS auto fp8}; do t=$(tag "$s")
   jobs+=(--job "gsm8k_$t=$(run lm_eval_kv "--dtypes $s --kv-cache-memory-bytes 4294967296" gsm8k_qwen_${GPU}_$t)")
 done
 for s in ${NEEDLE_SPECS:-auto nvfp4 FP8_SCALES fp8_per_token_head int4_per_token_head turboquant_4bit_nc}; do t=$(tag "$s")
@@ -89,10 +89,10 @@ done
 for s in ${NEEDLE_MT_SPECS:-auto nvfp4 FP8_SCALES}; do t=$(tag "$s")
   jobs+=(--job "needle_mt_$t=$(run needle "--dtypes $s --multiturn 0 1 2 4 8 16 --items-per-cell 64 --max-num-seqs 64 --reply-tokens 128 --kv-cache-memory-bytes 6442450944" needle_mt_qwen_${GPU}_$t)")
 done
-for s in ${MMLU_SPECS:-auto fp8 PEERS}; do t=$(tag "$s")
+for s in ${MMLU_SPECS:-PEERS auto fp8}; do t=$(tag "$s")
   jobs+=(--job "mmlu_$t=$(run lm_eval_kv "--task mmlu --limit 1000 --dtypes $s --kv-cache-memory-bytes 3221225472" mmlu1000_qwen_${GPU}_$t)")
 done
-setsid nohup python3 -P -m evals.side_by_side --dir /tmp/acc --max-running 6 --stagger-s 20 \
+setsid nohup python3 -P -m evals.side_by_side --dir /tmp/acc --max-running ${ACCURACY_MAX_RUNNING:-6} --stagger-s 20 \
     --deadline-s ${ACCURACY_DEADLINE_S:-1500} "${jobs[@]}" > /tmp/acc/side_by_side.out 2>&1 < /dev/null &
 sleep 5; cat /tmp/acc/status.json | python3 -c "import json,sys; [print(k, v['state']) for k, v in json.load(sys.stdin).items()]"'''.replace(
     "FP8_SCALES", FP8_SCALES).replace("PEERS", PEERS)
