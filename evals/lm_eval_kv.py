@@ -147,11 +147,18 @@ def mmlu_path() -> Path:
     return Path(spec.origin).parent / "data" / "mmlu.jsonl"
 
 
+def _write(path: Path, text: str) -> None:
+    """Whole or not at all: runs side by side rewrite the same bytes while others read."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _write_gsm8k(d: Path) -> None:
     rows = fidelity.gsm8k_path().read_text().splitlines()
-    (d / "shots.jsonl").write_text("\n".join(rows[:SHOTS]) + "\n")
-    (d / "test.jsonl").write_text("\n".join(rows[SHOTS:]) + "\n")
-    (d / "gsm8k_local.yaml").write_text(GSM8K_YAML.format(
+    _write(d / "shots.jsonl", "\n".join(rows[:SHOTS]) + "\n")
+    _write(d / "test.jsonl", "\n".join(rows[SHOTS:]) + "\n")
+    _write(d / "gsm8k_local.yaml", GSM8K_YAML.format(
         shots=d / "shots.jsonl", test=d / "test.jsonl", n_shots=SHOTS))
 
 
@@ -177,8 +184,8 @@ def _write_mmlu(d: Path) -> None:
         docs += [{"subject": subject, "prompt": head + mmlu_question(r),
                   "label": "ABCD".index(r["correct_answer"])} for r in rs[SHOTS:]]
     random.Random(MMLU_SEED).shuffle(docs)
-    (d / "test.jsonl").write_text("".join(json.dumps(x) + "\n" for x in docs))
-    (d / "mmlu_local.yaml").write_text(MMLU_YAML.format(test=d / "test.jsonl"))
+    _write(d / "test.jsonl", "".join(json.dumps(x) + "\n" for x in docs))
+    _write(d / "mmlu_local.yaml", MMLU_YAML.format(test=d / "test.jsonl"))
 
 
 @dataclass(frozen=True)
