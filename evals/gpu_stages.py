@@ -80,16 +80,17 @@ PEERS = f"nvfp4 {FP8_SCALES} fp8_per_token_head int4_per_token_head turboquant_4
 ACCURACY = r'''mkdir -p /tmp/acc; jobs=()
 tag() { local t=${1%%=*}; echo "${t//+/_}"; }  # fp8+scales=FILE -> fp8_scales
 run() { echo "python3 -P -m evals.$1 --model qwen $2 --out /tmp/acc/$3.json"; }
-for s in ${GSM8K_SPECS:-PEERS auto fp8}; do t=$(tag "$s")
+skip() { [[ " ${SKIP_SPECS:-} " == *" $1 "* ]]; }  # e.g. SKIP_SPECS=turboquant_4bit_nc: no p4+p5
+for s in ${GSM8K_SPECS:-PEERS auto fp8}; do t=$(tag "$s"); skip "$s" && continue
   jobs+=(--job "gsm8k_$t=$(run lm_eval_kv "--dtypes $s --kv-cache-memory-bytes 4294967296" gsm8k_qwen_${GPU}_$t)")
 done
-for s in ${NEEDLE_SPECS:-auto nvfp4 FP8_SCALES fp8_per_token_head int4_per_token_head turboquant_4bit_nc}; do t=$(tag "$s")
+for s in ${NEEDLE_SPECS:-auto nvfp4 FP8_SCALES fp8_per_token_head int4_per_token_head turboquant_4bit_nc}; do t=$(tag "$s"); skip "$s" && continue
   jobs+=(--job "needle_$t=$(run needle "--dtypes $s --items-per-cell 4 --kv-cache-memory-bytes 6442450944" needle_qwen_${GPU}_$t)")
 done
-for s in ${NEEDLE_MT_SPECS:-auto nvfp4 FP8_SCALES}; do t=$(tag "$s")
+for s in ${NEEDLE_MT_SPECS:-auto nvfp4 FP8_SCALES}; do t=$(tag "$s"); skip "$s" && continue
   jobs+=(--job "needle_mt_$t=$(run needle "--dtypes $s --multiturn 0 1 2 4 8 16 --items-per-cell 64 --max-num-seqs 64 --reply-tokens 128 --kv-cache-memory-bytes 6442450944" needle_mt_qwen_${GPU}_$t)")
 done
-for s in ${MMLU_SPECS:-PEERS auto fp8}; do t=$(tag "$s")
+for s in ${MMLU_SPECS:-PEERS auto fp8}; do t=$(tag "$s"); skip "$s" && continue
   jobs+=(--job "mmlu_$t=$(run lm_eval_kv "--task mmlu --limit 1000 --dtypes $s --kv-cache-memory-bytes 3221225472" mmlu1000_qwen_${GPU}_$t)")
 done
 setsid nohup python3 -P -m evals.side_by_side --dir /tmp/acc --max-running ${ACCURACY_MAX_RUNNING:-6} --stagger-s 20 \
@@ -380,7 +381,8 @@ timeout 580 python3 -P -m evals.lm_eval_kv --model qwen --dtypes ${GSM8K_DTYPES:
         "qwen): GSM8K for FP8 with fitted scales (a calibration file; vLLM's own), "
         "fp8_per_token_head, int4_per_token_head, turboquant_4bit_nc (needs p4+p5) and NVFP4, "
         "then needles at 4K-32K, multi-turn recall, MMLU's first 1,000; GSM8K_SPECS, "
-        "NEEDLE_SPECS, NEEDLE_MT_SPECS, MMLU_SPECS narrow it; then accuracy-collect",
+        "NEEDLE_SPECS, NEEDLE_MT_SPECS, MMLU_SPECS narrow it, SKIP_SPECS drops specs; then "
+        "accuracy-collect",
         ACCURACY),
     "accuracy-collect": Stage(
         "after WAIT_S seconds: what stage accuracy has finished, its results packed into "
