@@ -78,6 +78,11 @@ def kv_spec(spec: str) -> tuple[str, dict, str | None]:
     return kv_dtype, kw, scales_file or None
 
 
+def spec_label(spec: str) -> str:
+    """A KV spec as tables and plots name it: "fp8+scales=FILE" -> "fp8+scales"."""
+    return spec.partition(FILE_SCALES)[0] + ("+scales" if FILE_SCALES in spec else "")
+
+
 def amax_per_layer(path: str) -> dict[str, list[float]]:
     meta = json.loads(Path(path).read_text())["_meta"]
     if "amax_k_note" in meta:

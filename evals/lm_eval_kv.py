@@ -337,17 +337,21 @@ def _merge_shards(shards: list[dict]) -> dict:
     for a, b in zip(shards, shards[1:]):
         if a.get("offset", 0) + len(a["per_doc"]) != b.get("offset", 0):
             raise SystemExit(f"--join: {a['kv_dtype']}'s question ranges are not contiguous")
-    per_doc = [x for r in shards for x in r["per_doc"]]
+    return _scored({**shards[0], "runs": [x for r in shards for x in r["runs"]]},
+                   [x for r in shards for x in r["per_doc"]],
+                   [x for r in shards for x in r["per_doc_resps"]])
+
+
+def _scored(row: dict, per_doc: list[float], resps: list) -> dict:
+    """row over these questions: accuracy and its standard error recomputed."""
     n = len(per_doc)
     mean = sum(per_doc) / n
     var = sum((x - mean) ** 2 for x in per_doc) / max(1, n - 1)
-    return {**shards[0], "accuracy": mean, "stderr": (var / n) ** 0.5, "n": n,
-            "per_doc": per_doc,
-            "per_doc_resps": [x for r in shards for x in r["per_doc_resps"]],
-            "runs": [x for r in shards for x in r["runs"]]}
+    return {**row, "accuracy": mean, "stderr": (var / n) ** 0.5, "n": n, "per_doc": per_doc,
+            "per_doc_resps": resps}
 
 
-def join(parts: list[dict], files: list[str]) -> dict:
+def join(parts: list[dict], files: list[str], questions: int | None = None) -> dict:
     """Rows of separate runs in one result: the same questions with other dtypes (e.g. one
     dtype rerun in a later GPU session; a later file's (dtype, offset) replaces an
     earlier's), or consecutive question ranges of one dtype (--offset shards, concatenated).
@@ -372,6 +376,9 @@ def join(parts: list[dict], files: list[str]) -> dict:
     for (dt, _), r in shards.items():
         by_dtype[dt].append(r)
     rows = {dt: _merge_shards(rs) for dt, rs in by_dtype.items()}
+    if questions:  # a longer run's rows, cut to the questions a shorter run scored
+        rows = {dt: _scored(r, r["per_doc"][:questions], r["per_doc_resps"][:questions])
+                for dt, r in rows.items()}
     if len({(r.get("offset", 0), len(r["per_doc"])) for r in rows.values()}) != 1:
         raise SystemExit("--join: the runs scored different questions")
     first = next(iter(rows.values()))
@@ -415,7 +422,8 @@ def table(res: dict) -> str:
         diffs = "".join((f"{r[f'diff_vs_{b}']:+.3f} ± {r[f'diff_vs_{b}_stderr']:.3f} "
                          f"(same answer {r[f'agreement_vs_{b}']:.1%})"
                          if f"diff_vs_{b}" in r else "") + " | " for b in bases)
-        lines.append(f"| {r['kv_dtype']} | {r['accuracy']:.3f} ± {r['stderr']:.3f} | "
+        lines.append(f"| {common.spec_label(r['kv_dtype'])} | {r['accuracy']:.3f} ± "
+                     f"{r['stderr']:.3f} | "
                      f"{diffs}{r['n']} |")
     return "\n".join(lines)
 
@@ -444,11 +452,13 @@ def main():
                     "earlier results of the same task and model (a later file's dtype and "
                     "offset replace an earlier's; --offset shards of a dtype are "
                     "concatenated), with paired differences, into --out")
+    ap.add_argument("--questions", type=int, help="--join: every row cut to its first N "
+                    "questions (a full run's rows beside a --limit N run's)")
     args = ap.parse_args()
     if args.join:
         if not args.out:
             ap.error("--join needs --out")
-        res = join([common.read_json(f) for f in args.join], args.join)
+        res = join([common.read_json(f) for f in args.join], args.join, args.questions)
         common.write_json(args.out, res)
         print(table(res))
         return

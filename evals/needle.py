@@ -385,7 +385,7 @@ def table(res: dict) -> str:
     """Accuracy per length (multi-turn: per N) and over all items, a column per dtype."""
     rows = [r for r in res["rows"] if "summary" in r]
     key = "turns" if res["mode"] == "multiturn" else "length"
-    lines = [f"| {key} | " + " | ".join(r["kv_dtype"] for r in rows) + " |",
+    lines = [f"| {key} | " + " | ".join(common.spec_label(r["kv_dtype"]) for r in rows) + " |",
              "|---|" + "---:|" * len(rows)]
     for labels in [g for g, _ in groups(res) if set(g) in (set(), {key})]:
         cells = []
@@ -413,7 +413,7 @@ def plot(res: dict, png: Path) -> None:
         pts = sorted((s[key], s["accuracy"], s["stderr"]) for s in r["summary"]
                      if set(s) & {"length", "depth", "turns"} == {key})
         ax.errorbar([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts],
-                    marker="o", capsize=3, label=r["kv_dtype"])
+                    marker="o", capsize=3, label=common.spec_label(r["kv_dtype"]))
     if heat:
         ax.set_xscale("log", base=2)
     ax.set(xlabel="context tokens" if heat else "turns between fact and question",
@@ -428,9 +428,9 @@ def plot(res: dict, png: Path) -> None:
         for y, row in enumerate(grid):
             for x, v in enumerate(row):
                 ax.text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=8)
-        ax.set(xticks=range(len(lengths)), xticklabels=lengths, yticks=range(len(depths)),
-               yticklabels=depths, xlabel="context tokens", ylabel="needle depth",
-               title=r["kv_dtype"])
+        ax.set(xticks=range(len(lengths)), xticklabels=[f"{round(L / 1024)}K" for L in lengths],
+               yticks=range(len(depths)), yticklabels=depths, xlabel="context tokens",
+               ylabel="needle depth", title=common.spec_label(r["kv_dtype"]))
     fig.tight_layout()
     common.save_figure(fig, png, dpi=110)
 
