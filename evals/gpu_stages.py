@@ -118,6 +118,15 @@ tar czf "$OUT/accuracy_${GPU}.tar.gz" -C /tmp/acc .'''
 
 GENERATE_LINES = r'grep -E "CUSTOM|NVFP4 KV cache|engine ready|^Q:|^A:|KV cache:|Error"'
 
+# empty Triton and vLLM caches: a fresh machine's start, whatever ran before in the call
+JIT_SILENT = r'''dt=${1#jit-silent-}
+TRITON_CACHE_DIR=$(mktemp -d) VLLM_CACHE_ROOT=$(mktemp -d) timeout 570 python3 -P -m \
+    evals.serve_bench --dtypes "$dt" --input-len 32768 --output-len 256 --concurrency 16 \
+    --num-prompts 16 --out "$OUT/jit_silent_${GPU}_$dt.json" 2>&1 | tail -6
+grep -hoE '"(startup|warmup)_s": [0-9.]+' "$OUT/jit_silent_${GPU}_$dt.json"
+grep -hE "JIT compilation during inference|NVFP4 KV cache: kernel builds" \
+    "$OUT/jit_silent_${GPU}_${dt}_$dt.log" | head -20'''
+
 STAGES: dict[str, Stage] = {
     # ------------------------------------------------ set-up and tests
     "parts": Stage(
@@ -317,6 +326,13 @@ done'''),
     **{f"sweep-128k-{dt}": Stage(
         f"the 128K serving sweep (20 GiB of KV, one request per slot), {dt} alone; join with "
         "`python -P -m evals.serve_bench --combine`", SWEEP_128K) for dt in ("fp8", "nvfp4")},
+    # one dtype per call, as the sweeps: the cold start is what is measured
+    **{f"jit-silent-{dt}": Stage(
+        f"no compilation after startup (#35), {dt}: from empty Triton and vLLM caches, a "
+        "server (Llama-3-8B-shaped, dummy weights) serves 16 x 32K prompts at once; prints its "
+        "startup_s (nvfp4's target: fp8's + 15 s or less), its first request's warmup_s and "
+        "every line of vLLM's JIT monitor in its log (nvfp4's target: none). "
+        "NVFP4KV_COMPILE_AT_STARTUP=0: without the warm-up", JIT_SILENT) for dt in ("fp8", "nvfp4")},
     # ------------------------------------------------ accuracy on real models
     "qwen": Stage(
         "Qwen2.5-Coder-1.5B from its carried pieces (.qwen), and the recorded K-centering "

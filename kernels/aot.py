@@ -18,9 +18,10 @@ from .format import BLOCK_SCALE_RULES, DEFAULT_BLOCK_SCALES
 
 P = "*u8"
 # what the launchers' arguments are, beyond pointers, known to be multiples of 16
-# (Triton's launcher specialises every int argument that is one at run time; these are)
-DIV16 = ("page_stride", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_bt",
-         "stride_kt", "stride_kh", "stride_vt", "stride_vh")
+# (Triton's launcher specialises every int argument that is one at run time, unless the kernel
+# says do_not_specialize; these are)
+DIV16 = ("page_stride", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kt",
+         "stride_kh", "stride_vt", "stride_vh")
 
 
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
@@ -156,11 +157,13 @@ def specs() -> dict:
 
 def compile_kernel(fn, signature: dict, constexprs: dict, arch: int, num_warps: int,
                    num_stages: int = 2, maxnreg: int | None = None):
-    """triton.compile for cuda sm_<arch>, pointers and DIV16 arguments 16-byte aligned;
-    maxnreg: cap on registers per thread (ptxas spills the rest)."""
+    """triton.compile for cuda sm_<arch>, pointers (but those the kernel does not specialise on
+    alignment) and DIV16 arguments 16-byte aligned; maxnreg: cap on registers per thread
+    (ptxas spills the rest)."""
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
+    unaligned = set(fn.do_not_specialize_on_alignment)
     attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items())
-             if v.startswith("*") or k in DIV16}
+             if (v.startswith("*") and k not in unaligned) or k in DIV16}
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages,

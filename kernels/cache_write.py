@@ -123,7 +123,7 @@ def _quantize_vals(xe, xo, g, RULE: tl.constexpr, V: tl.constexpr = False, p=0):
     return data, s.to(tl.uint8)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # tokens of the step: one build for every count
 def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                   k_sub_ptr, rot_on_ptr, T, stride_kt, stride_kh, stride_vt, stride_vh,
                   page_stride, rot_c, H: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
@@ -177,13 +177,22 @@ def _write_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_
     tl.store(base + H * N * (D // 2) + h * (N * G) + gi * N + vs, s, mask=valid)
 
 
+SMALL_WRITE_ROWS = 4096  # tokens x KV heads up to which a write takes one token per program
+
+
 def tokens_per_program_for(tokens: int, kv_heads: int, block_scales: str) -> int:
     """BT for a write of `tokens` x `kv_heads` rows: one token per program for small writes (a
     decode step's: latency-bound, the shortest program wins) and for amax6, two beyond for the
     rules that try several scales (prefill: instruction-bound; two tokens per program cost
     ~30% fewer instructions per block, four cost fewer still but hold 115 registers a thread,
     too few warps to hide latency on Hopper)."""
-    return 2 if tokens * kv_heads > 4096 and block_scales != "amax6" else 1
+    return 2 if tokens * kv_heads > SMALL_WRITE_ROWS and block_scales != "amax6" else 1
+
+
+def write_sizes(max_tokens: int, kv_heads: int) -> list[int]:
+    """Token counts up to max_tokens that give every tokens_per_program_for of any rule: the
+    writes that compile each build of _write_kernel (the engine's start-up warm-up)."""
+    return sorted({1, min(max_tokens, SMALL_WRITE_ROWS // kv_heads + 1)})
 
 
 def device_scalar(x, device) -> torch.Tensor:

@@ -43,7 +43,12 @@ from .format import PageLayout
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+# Ints that vary with the traffic are not specialised on (Triton builds a variant for the value 1
+# and one for multiples of 16): the split count, a batch-shape choice (1 is SPLIT = False,
+# whose code does not read it), and the block table's row stride (the engine's table width).
+# So the builds an engine's start-up warm-up compiles are all there are; the sm_90 SASS is the
+# same as with either specialisation (aot.py builds).
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
                    sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, page_stride,
@@ -62,7 +67,10 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
     if HAS_WINDOW:  # tiles start at multiples of 16 (load_vt_mma's chunks); keys < start masked
         start = tl.maximum(seq_len - window, 0)
     base = start // 16 * 16
-    per_split = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+    else:  # num_splits == 1 (not specialised on: the same code as if it were)
+        per_split = tl.cdiv(seq_len - base, BLOCK_N) * BLOCK_N
     lo = base + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -201,7 +209,7 @@ def _load_q(q_rows, dd, mask):
     return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # a batch-shape choice (see _decode_kernel)
 def _reduce_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, stride_ot, stride_oh,
                    num_splits, HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                    S_PAD: tl.constexpr, S_CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
@@ -511,6 +519,20 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
             part_out, part_lse, sinks_arg, out, out.stride(0), out.stride(1), num_splits,
             **reduce_constexprs(hq, d, num_splits, sinks is not None), num_warps=4)
     return out
+
+
+def launch_splits(split_counts, device: torch.device, head_dim: int,
+                  rule: str = DEFAULT_SPLIT_RULE, launches: dict | None = None) -> list[int]:
+    """One of split_counts per distinct build of the decode launch (the kernel and its
+    reduction) among them: a split count enters the builds only through whether it splits,
+    the tile (choose_block_n) and the reduction's S_PAD (the count is a runtime argument). What
+    the engine's start-up warm-up launches, for the counts choose_num_splits gives."""
+    builds = {}
+    for s in sorted(set(split_counts)):
+        key = (s > 1, choose_block_n(s, device, head_dim, rule, launches),
+               s > 1 and reduce_constexprs(1, head_dim, s, False)["S_PAD"])
+        builds.setdefault(key, s)
+    return sorted(builds.values())
 
 
 def reduce_constexprs(hq: int, d: int, num_splits: int, has_sinks: bool) -> dict:

@@ -13,7 +13,9 @@ from .format import PageLayout
 from .rotation import fwht, hadamard_entry
 
 
-@triton.jit
+# block_table_ptr: a prefill round's rows of the table (any offset); neither it nor the row
+# stride is specialised on, so one build serves every batch (the sm_90 SASS is the same)
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["block_table_ptr"])
 def _gather_kernel(cache_ptr, block_table_ptr, cu_tokens_ptr, seq_starts_ptr, out_starts_ptr,
                    k_out_ptr, v_out_ptr, k_scale_ptr, v_scale_ptr, out_div,
                    stride_bt, page_stride, stride_ot, stride_oh,
@@ -89,7 +91,7 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: t
         num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the chunk's tokens: one build for every count
 def _put_rows_kernel(x_ptr, rows_ptr, out_ptr, sub_ptr, mul_ptr, rot_on_ptr, div_ptr, T, big,
                      rot_c, stride_xt, stride_xh, stride_ot, stride_oh,
                      D: tl.constexpr, LOG2_D: tl.constexpr, BLOCK_T: tl.constexpr,

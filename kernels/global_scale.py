@@ -44,7 +44,7 @@ def _pow2_at_least(y):
     return tl.where((bits & 0x007FFFFF) == 0, e, e + 0x00800000).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # captured at every CUDA-graph size: one build for all
 def _calibrate_kernel(key_ptr, value_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, flag_ptr, T,
                       factor, stride_kt, stride_kh, stride_vt, stride_vh, H: tl.constexpr,
                       D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):

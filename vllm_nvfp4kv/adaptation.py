@@ -202,7 +202,7 @@ class LayerAdaptation:
         them."""
         key, value, slots = self._batch
         self._batch, self.phase = None, Phase.SETTLED
-        k_scale, v_scale = global_scales(layer)
+        k_scale, _ = global_scales(layer)
         real = slots >= 0
         on = rotation_helps(q, self.space.unrotated_key(key[real]), k_scale, self.block_scales)
         name = getattr(layer, "layer_name", "?")
@@ -213,5 +213,12 @@ class LayerAdaptation:
         log_once("rotation", "NVFP4 KV cache: K rotation chosen per layer from the first real "
                  "batch (rotate_k=auto); e.g. layer %s: off (it raised the q.k error)", name)
         self.space.choose_rotation(False)
+        self.rewrite(layer, kv_cache, key, value, slots)
+
+    def rewrite(self, layer, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                slots: torch.Tensor) -> None:
+        """K/V [T, Hkv, D] as the model computes them into the cache at slots [T], written
+        again in the space as it now is (the writer without K's transforms)."""
+        k_scale, v_scale = global_scales(layer)
         ops.write_cache(kv_cache, self.space.key(key), self.space.value(value), slots, k_scale,
                         v_scale, self.block_scales)

@@ -20,11 +20,12 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        AttentionType, CommonAttentionMetadata)
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from vllm_nvfp4kv import compat, config, ops
+from vllm_nvfp4kv import compat, config, ops, warmup
 from vllm_nvfp4kv.adaptation import LayerAdaptation
 from vllm_nvfp4kv.capacity import log_capacity
 from vllm_nvfp4kv.kernels import format as fmt
-from vllm_nvfp4kv.kernels.decode import DECODE_VARIANTS, DEFAULT_SPLIT_RULE, choose_num_splits
+from vllm_nvfp4kv.kernels.decode import (DECODE_VARIANTS, DEFAULT_SPLIT_RULE, choose_num_splits,
+                                         launch_splits)
 from vllm_nvfp4kv.prefill import PrefillInputs, PrefillPlan, plan_prefill, run_prefill
 from vllm_nvfp4kv.scales import global_scales
 from vllm_nvfp4kv.workspace import workspace_capacity, workspace_dtype, workspace_views
@@ -180,12 +181,14 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         self.max_keys = min(max_len, self.window) if self.window else max_len
         self.capacity = workspace_capacity(vllm_config, self.window, cfg.workspace_prefix_tokens)
         self.prefill_from_cache = cfg.prefill_from_cache
-        self.split_rule = DECODE_VARIANTS[cfg.decode_variant].get("split_rule",
-                                                                  DEFAULT_SPLIT_RULE)
+        variant = DECODE_VARIANTS[cfg.decode_variant]
+        self.split_rule = variant.get("split_rule", DEFAULT_SPLIT_RULE)
+        self.launches = variant.get("launches")  # the decode launcher's tile per head size
         workspace_views(self.capacity, self.num_kv_heads, self.head_size,
                         workspace_dtype(vllm_config.model_config.dtype, cfg.workspace_dtype),
                         device)  # reserve before capture
         log_capacity(vllm_config, self.head_size, self.capacity, self.num_kv_heads)
+        warmup.register(self)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> NvFp4Metadata:
@@ -213,6 +216,33 @@ class NvFp4MetadataBuilder(AttentionMetadataBuilder[NvFp4Metadata]):
         md = self.build(0, common_attn_metadata)
         md.seq_lens.fill_(1)  # real lengths arrive at replay
         return md
+
+    def warmup_batches(self) -> list[NvFp4Metadata]:
+        """Tiny steps that between them launch every kernel build this builder's steps can
+        launch (warmup.py): a one-token decode per distinct decode build among the split
+        counts of 1 to max_num_seqs decodes (what build chooses), and a decode beside a
+        prefill of 2 tokens after a cached one (the prefix gather and, unless prefill_from_
+        cache, the chunk's put_rows). Every token in page 0 of each sequence (block table
+        zeros)."""
+        dev = self.device
+        counts = {choose_num_splits(b, self.num_kv_heads, self.max_keys, dev, self.head_size,
+                                    self.split_rule)
+                  for b in range(1, self.vllm_config.scheduler_config.max_num_seqs + 1)}
+        splits = launch_splits(counts, dev, self.head_size, self.split_rule, self.launches)
+
+        def step(seq_lens: list[int], ends: list[int], num_decodes: int, num_splits: int,
+                 plan: PrefillPlan | None = None) -> NvFp4Metadata:
+            return NvFp4Metadata(
+                num_actual_tokens=ends[-1], num_decodes=num_decodes,
+                num_decode_tokens=num_decodes, num_prefills=len(seq_lens) - num_decodes,
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                block_table=torch.zeros(len(seq_lens), 1, dtype=torch.int32, device=dev),
+                decode_num_splits=num_splits, prefill=plan)
+        steps = [step([1], [0, 1], 1, s) for s in splits]
+        seq_lens, ends = [1, 3], [0, 1, 3]  # a decode; 2 tokens after 1 cached
+        plan = plan_prefill(torch.tensor(ends), torch.tensor(seq_lens), 1, 2, self.capacity,
+                            self.window, dev, self.prefill_from_cache)
+        return steps + [step(seq_lens, ends, 1, splits[0], plan)]
 
 
 class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
@@ -259,6 +289,30 @@ class NvFp4AttentionImpl(AttentionImpl[NvFp4Metadata]):
     def process_weights_after_loading(self, act_dtype: torch.dtype):
         if self.attn.sinks is not None:
             self.attn.sinks = self.attn.sinks.float()
+
+    def warm_up(self, layer, kv_cache: torch.Tensor, steps: list[NvFp4Metadata],
+                write_tokens: list[int], rewrite_tokens: list[int],
+                dtype: torch.dtype) -> None:
+        """Launch every kernel build this layer can launch, on dummy zeros of the model's
+        dtype (warmup.py): a write of each of write_tokens padded tokens (slots -1: nothing
+        written; the layer's first eager write, adaptation.py), where K's rotation is chosen
+        per layer the first real batch's rewrite of each of rewrite_tokens, and the forward of
+        each of steps (NvFp4MetadataBuilder.warmup_batches) into a scratch output. The cache
+        is only read."""
+        def zeros(tokens: int, heads: int) -> torch.Tensor:
+            return torch.zeros(tokens, heads, self.head_size, dtype=dtype, device=kv_cache.device)
+        kv = zeros(max(write_tokens + rewrite_tokens), self.num_kv_heads)
+        slots = torch.full((kv.shape[0],), -1, dtype=torch.int64,  # vLLM's slot mapping dtype
+                           device=kv_cache.device)
+        for t in write_tokens:
+            self.do_kv_cache_update(layer, kv[:t], kv[:t], kv_cache, slots[:t])
+        if self.adaptation.chooses_rotation:  # known from the first write on
+            for t in rewrite_tokens:
+                self.adaptation.rewrite(layer, kv_cache, kv[:t], kv[:t], slots[:t])
+        for md in steps:
+            q = zeros(md.num_actual_tokens, self.num_heads).flatten(1)
+            kv = zeros(md.num_actual_tokens, self.num_kv_heads).flatten(1)
+            self.forward(layer, q, kv, kv, kv_cache, md, torch.empty_like(q))
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -96,6 +96,15 @@ class NvFp4KVConfig:
 
     Cost: one prefill of up to 512 tokens at engine start."""
 
+    compile_at_startup: bool = True
+    """Every build of the cache's Triton kernels the engine can launch (writes, decodes at any
+    batch size, prefill over a cached prefix) is compiled while the engine starts, before CUDA
+    graph capture, so no request waits on a compilation. `false`: each compiles at its first
+    use.
+
+    Cost: those compilations at engine start instead of in the first requests; later starts
+    load them from Triton's cache."""
+
     rotate_v: bool = False
     """Also rotates V, and the attention output back.
 

@@ -18,9 +18,9 @@ from vllm_nvfp4kv.kernels import reference
 from vllm_nvfp4kv.kernels.reference import masked_amax, scale_from_amax  # calibration's rule
 from vllm_nvfp4kv.kernels.rotation import hadamard
 
-__all__ = ["AttentionParams", "write_cache", "writer_transforms_k", "decode", "gather_cache",
-           "put_rows", "dense_attention", "flash_attn_version", "fake_quantize", "masked_amax",
-           "scale_from_amax"]
+__all__ = ["AttentionParams", "on_triton", "write_cache", "writer_transforms_k", "decode",
+           "gather_cache", "put_rows", "dense_attention", "flash_attn_version", "fake_quantize",
+           "masked_amax", "scale_from_amax"]
 
 
 @dataclass
@@ -32,6 +32,12 @@ class AttentionParams:
     softcap: float = 0.0                    # logit soft-cap (0: none)
     sinks: torch.Tensor | None = None       # [Hq] fp32 sink logits
     fa_version: int | None = None           # FlashAttention's (CUDA)
+
+
+def on_triton(device: torch.device) -> bool:
+    """Whether the operations below run the Triton kernels on this device (else the torch
+    references)."""
+    return device.type == "cuda"
 
 
 def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -46,7 +52,7 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         k_sub, rotate_k = fused_k
         kernels.write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale, block_scales,
                             k_sub=k_sub, rotate_k=rotate_k)
-    elif kv_cache.is_cuda:
+    elif on_triton(kv_cache.device):
         kernels.write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale, block_scales)
     else:
         reference.write_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale,
@@ -56,7 +62,7 @@ def write_cache(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def writer_transforms_k(device: torch.device) -> bool:
     """Whether write_cache on this device can take K's transforms (fused_k): the Triton writer
     on CUDA can; the reference writer has none (the torch ops of the cache space run first)."""
-    return device.type == "cuda"
+    return on_triton(device)
 
 
 def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -65,7 +71,7 @@ def decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     """One query row per sequence: q [B, Hq, D] over its seq_lens [B] cached tokens (block
     table [B, max_blocks] int32) into out [B, Hq, D]. num_splits / variant: the Triton
     kernel's split-KV count and launch variant (kernels.decode.DECODE_VARIANTS)."""
-    if q.is_cuda:
+    if on_triton(q.device):
         kernels.decode_attention(q, kv_cache, block_table, seq_lens, out, attn.scale, k_scale,
                                  v_scale, sliding_window=attn.window, softcap=attn.softcap,
                                  sinks=attn.sinks, num_splits=num_splits, **variant)
@@ -82,7 +88,7 @@ def gather_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_tokens: t
     """Dequantize tokens [seq_starts[b], + cu_tokens[b+1] - cu_tokens[b]) of each sequence b
     into rows out_starts[b]: of k_out / v_out [rows, Hkv, D], divided by out_div, in their
     dtype (kernels.gather_cache)."""
-    if kv_cache.is_cuda:
+    if on_triton(kv_cache.device):
         kernels.gather_cache(kv_cache, block_table, cu_tokens, seq_starts, k_out, v_out,
                              k_scale, v_scale, max_tokens, out_div=out_div,
                              out_starts=out_starts)
@@ -113,7 +119,7 @@ def put_rows(x: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
     Triton kernel (default: on CUDA; the tests also run it in Triton's interpreter), which
     needs a power-of-two D; else the torch reference."""
     d = x.shape[-1]
-    if (x.is_cuda if kernel is None else kernel) and d & (d - 1) == 0:
+    if (on_triton(x.device) if kernel is None else kernel) and d & (d - 1) == 0:
         kernels.put_rows(x, rows, out, sub, mul, rotate, out_div)
         return
     if isinstance(rotate, torch.Tensor):

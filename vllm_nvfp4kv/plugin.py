@@ -14,6 +14,9 @@ wrapper passes every argument through and changes only what nvfp4 engines do:
   ``--attention-backend CUSTOM`` (or for upstream's with ``--attention-backend FLASHINFER``).
 * Both: ``EngineCore.__init__`` ends with the NVFP4 cache's start-up request
   (``startup.py``: the first-batch choices made from a fixed text), for nvfp4 engines only.
+* GPU workers: ``vllm.v1.worker.gpu_worker.kernel_warmup`` ends with the compilation of every
+  kernel build the layers can launch (``warmup.py``), wrapped there by the backend's first
+  metadata builder (the worker module is loaded by then; this function does not import it).
 * CPU: ``CpuPlatform.get_attn_backend_cls`` returns CUSTOM for nvfp4 layers (the backend then
   runs the torch references), so vLLM's CPU engine can serve and test the format. It refuses
   what the backend's ``validate_configuration`` refuses on CUDA (vLLM's CPU selection does not
