@@ -72,7 +72,8 @@ python3 -P -m evals.needle --join "${files[@]}" --out "$OUT/needle_mt_qwen_${GPU
     | grep -E "^\||rror"'''
 
 # Qwen's accuracy against every baseline of #36, side by side on the one GPU (evals/side_by_side.py:
-# accuracy only, at most 6 engines at once, each with its own KV budget); launched in the
+# accuracy only, at most 6 engines at once (Qwen2.5-1.5B: ~12 GiB each on an H100; 7 ran out of
+# memory), each with its own KV budget); launched in the
 # background so that later calls can pack what has finished (stage accuracy-collect)
 FP8_SCALES = "fp8+scales=evals/results/scales_qwen2.5_coder_1.5b_cpu.json"
 PEERS = f"nvfp4 {FP8_SCALES} fp8_per_token_head int4_per_token_head turboquant_4bit_nc " \
