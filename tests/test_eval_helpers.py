@@ -271,3 +271,16 @@ def test_side_by_side_runs_at_most_n_and_stops_at_the_deadline(tmp_path):
     assert st["slow"]["stopped"] == "at the deadline" and st["slow"]["exit"] != 0
     assert st["late"]["state"] in ("done", "not started: deadline")
     assert json.loads((tmp_path / "out" / "status.json").read_text()) == st
+
+
+def test_layer_sensitivity_channel_ratio():
+    """The outlier ratio layer_sensitivity reports: max / median per-channel amax of the worst
+    KV head, K's over RoPE pairs (channel i with i + D/2), as the backend's centering test."""
+    import torch
+
+    from evals.layer_sensitivity import channel_ratio
+    x = torch.ones(1, 2, 5, 8)        # [B, H, T, D]
+    x[0, 1, 3, 1] = -40.0             # head 1, channel 1: 40x the rest
+    assert channel_ratio(x, rope_pairs=False) == 40.0
+    x[0, 1, 3, 5] = 80.0              # channel 5 pairs with channel 1 (D/2 = 4)
+    assert channel_ratio(x, rope_pairs=True) == 80.0   # pairs: [80, 1, 1, 1] -> median 1
