@@ -104,6 +104,16 @@ def _fill_fp8_scales(amax: dict[str, list[float]], model) -> int:
     return n
 
 
+def start_llm(spec: str, **kw):
+    """vllm.LLM(**kw) with the KV cache a spec names (kv_spec), its file's FP8 scales set."""
+    from vllm import LLM
+    kv_dtype, extra, scales_file = kv_spec(spec)
+    llm = LLM(kv_cache_dtype=kv_dtype, **extra, **kw)
+    if scales_file:
+        set_fp8_scales(llm, scales_file)
+    return llm
+
+
 def set_fp8_scales(llm, path: str) -> int:
     """The FP8 scales of a scales file in every worker of a started LLM; -> layers set."""
     import functools

@@ -84,14 +84,11 @@ def header(model: str, texts: int, chunk: int, block_size: int, topk: int, on_gp
 def score(model: str, kv_dtype: str, texts: list[str], chunk: int, on_gpu: bool,
           topk: int = 20, block_size: int = 16):
     """-> (nll, top1, topk logprobs {token: logprob}) per scored position."""
-    from vllm import LLM, SamplingParams
-    kv_dtype, kw, scales_file = common.kv_spec(kv_dtype)
-    kw.update(common.engine_memory(on_gpu))
-    llm = LLM(model=model, kv_cache_dtype=kv_dtype, max_model_len=1024, block_size=block_size,
-              max_num_batched_tokens=chunk, max_num_seqs=8, enable_prefix_caching=False,
-              seed=0, max_logprobs=topk, **kw)
-    if scales_file:
-        common.set_fp8_scales(llm, scales_file)
+    from vllm import SamplingParams
+    llm = common.start_llm(kv_dtype, model=model, max_model_len=1024, block_size=block_size,
+                           max_num_batched_tokens=chunk, max_num_seqs=8,
+                           enable_prefix_caching=False, seed=0, max_logprobs=topk,
+                           **common.engine_memory(on_gpu))
     tok = llm.get_tokenizer()
     prompts = [{"prompt_token_ids": tok(t)["input_ids"][:1000]} for t in texts]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=topk,

@@ -287,14 +287,13 @@ def evaluate(task: str, model: str, kv_dtype: str, tasks: Path, limit: int | Non
     from lm_eval.tasks import TaskManager
     t = TASKS[task]
     args = model_args(task, model, kv_dtype, extra, prefill_chunk)
-    base_dtype, _, scales_file = common.kv_spec(kv_dtype)
     samples = None
     if offset:
         samples = {t.name: list(range(offset, min(t.scored, offset + (limit or t.scored))))}
         limit = None
-    with count_cache_reads(base_dtype) as reads:
+    with count_cache_reads(kv_dtype) as reads:
         lm = VLLM.create_from_arg_string(args)  # what simple_evaluate(model="vllm") makes
-        if scales_file:
+        if scales_file := common.kv_spec(kv_dtype)[2]:
             common.set_fp8_scales(lm.model, scales_file)
         out = lm_eval.simple_evaluate(model=lm, tasks=[t.name],
                                       limit=limit, samples=samples, gen_kwargs=gen_kwargs,

@@ -230,15 +230,12 @@ def score(text: str, value: int) -> tuple[float, str | None]:
     return float(pred == str(value)), pred
 
 
-def engine_args(model: str, kv_dtype: str, max_model_len: int, chunk: int, max_num_seqs: int,
+def engine_args(model: str, max_model_len: int, chunk: int, max_num_seqs: int,
                 prefix_caching: bool, on_gpu: bool, kv_cache_bytes: int | None = None) -> dict:
-    """LLM(...) arguments: chunked prefill forced, at most `chunk` tokens a step (module
-    docstring); 0: vLLM's own scheduling. kv_dtype: a KV spec less its scales file
-    (common.kv_spec)."""
-    kv_dtype, kw, _ = common.kv_spec(kv_dtype)
-    kw.update(model=model, kv_cache_dtype=kv_dtype, max_model_len=max_model_len,
-              block_size=common.block_size(on_gpu), seed=0, max_num_seqs=max_num_seqs,
-              enable_prefix_caching=prefix_caching)
+    """LLM(...) arguments beside the KV cache's (common.start_llm): chunked prefill forced, at
+    most `chunk` tokens a step (module docstring); 0: vLLM's own scheduling."""
+    kw = dict(model=model, max_model_len=max_model_len, block_size=common.block_size(on_gpu),
+              seed=0, max_num_seqs=max_num_seqs, enable_prefix_caching=prefix_caching)
     if chunk:
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
     if not on_gpu and not kv_cache_bytes:  # BF16-sized pages for every running request
@@ -313,16 +310,13 @@ def measure(model: str, kv_dtype: str, items: list[dict], on_gpu: bool, chunk: i
     or with `turns` multiturn_items), the NVFP4 backend's cached-row gathers where visible,
     times; an error row where the engine or the run fails (e.g. a dtype this vLLM or device
     does not run)."""
-    from vllm import LLM
-    kw = engine_args(model, kv_dtype, max_model_len, chunk, max_num_seqs, bool(turns), on_gpu,
+    kw = engine_args(model, max_model_len, chunk, max_num_seqs, bool(turns), on_gpu,
                      kv_cache_bytes)
     row = {"kv_dtype": kv_dtype, "engine_args": {k: v for k, v in kw.items() if k != "model"}}
     try:
         t0 = time.time()
-        with lm_eval_kv.count_cache_reads(kw["kv_cache_dtype"]) as reads:
-            llm = LLM(**kw)
-            if scales_file := common.kv_spec(kv_dtype)[2]:
-                common.set_fp8_scales(llm, scales_file)
+        with lm_eval_kv.count_cache_reads(kv_dtype) as reads:
+            llm = common.start_llm(kv_dtype, **kw)
             row["scheduling"] = effective_scheduling(llm)
             t1 = time.time()
             row.update(run_multiturn(llm, items, turns, reply_tokens) if turns
