@@ -27,10 +27,13 @@ E2M1_MAX, E4M3_MAX = 6.0, 448.0
 
 
 def channel_ratio(x: torch.Tensor, rope_pairs: bool) -> float:
-    """Largest max / median per-channel amax over the KV heads of x [B, H, T, D]."""
-    from vllm_nvfp4kv.scales import rope_pair_amax
-    a = x.abs().amax((0, 2))                                   # [H, D]
-    a = rope_pair_amax(a) if rope_pairs else a
+    """Largest max / median per-channel amax over the KV heads of x [B, H, T, D]; with
+    rope_pairs the backend's K centering test itself (scales.k_outlier_ratio)."""
+    from vllm_nvfp4kv.scales import k_outlier_ratio
+    rows = x.transpose(1, 2).flatten(0, 1)                     # [B * T, H, D]
+    if rope_pairs:
+        return k_outlier_ratio(rows, torch.zeros(rows.shape[0], dtype=torch.long))
+    a = rows.abs().amax(0)                                     # [H, D]
     return float((a.amax(-1) / a.median(-1).values.clamp_min(1e-30)).max())
 
 
