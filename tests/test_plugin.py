@@ -148,6 +148,32 @@ def test_cpu_selection_refuses_what_cuda_refuses(cuda_platform, head_size, block
         platforms[1].get_attn_backend_cls(None, cfg, 32)
 
 
+@pytest.mark.parametrize("capability,served", [((9, 0), True), ((10, 0), True),
+                                               ((8, 0), False), ((8, 9), False),
+                                               ((12, 0), False)])
+def test_sinks_need_flash_attention_with_sinks(cuda_platform, capability, served):
+    """gpt-oss's sink logits: prefill attends through vLLM's FlashAttention, and only FA3
+    (Hopper) and FA4 (Blackwell) take them. On 8.x and 12.x (FA2) the layer is refused at
+    engine start with the reason, where it would crash at the first prefill; the CPU's torch
+    references have sinks and serve them."""
+    from vllm.platforms.cpu import CpuPlatform
+    _, with_capability = cuda_platform
+    plugin._patch_cpu_selection()
+    reasons = NvFp4AttentionBackend.validate_configuration(
+        **_selector(head_size=64, has_sink=True)._asdict(),
+        device_capability=DeviceCapability(*capability))
+    if served:
+        assert reasons == []
+    else:
+        assert len(reasons) == 1 and "sinks" in reasons[0] and "FlashAttention 2" in reasons[0] \
+            and "--kv-cache-dtype fp8" in reasons[0]
+    assert NvFp4AttentionBackend.validate_configuration(
+        **_selector(head_size=64)._asdict(), device_capability=DeviceCapability(*capability)) \
+        == []
+    assert CpuPlatform.get_attn_backend_cls(None, _selector(head_size=64, has_sink=True), 32) \
+        == plugin.BACKEND_PATH
+
+
 def _nvfp4_spec(block_size, heads, head_size):
     """vLLM's spec of an nvfp4 layer, as the attention layer builds it (with our packing from
     0.32 on, where the backend publishes it)."""

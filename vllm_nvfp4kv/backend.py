@@ -133,7 +133,19 @@ class NvFp4AttentionBackend(AttentionBackend):
                 f"(set --block-size 16)",
             "dtype not supported": f"NVFP4 KV needs bf16/fp16 activations, got {dtype}",
         }
-        return [explain.get(r, "NVFP4 KV: " + r) + way_out for r in reasons]
+        reasons = [explain.get(r, "NVFP4 KV: " + r) + way_out for r in reasons]
+        if has_sink and device_capability is not None \
+                and device_capability.major not in SINK_CAPABILITY_MAJORS:
+            # prefill attends through vLLM's FlashAttention; only FA3/FA4 take sinks (s_aux)
+            reasons.append(
+                f"NVFP4 KV with attention sinks (gpt-oss) needs FlashAttention 3 or 4 for "
+                f"prefill (compute capability 9.x or 10.x); this GPU ({device_capability}) "
+                f"has FlashAttention 2, which has no sinks" + way_out)
+        return reasons
+
+
+# compute capabilities whose FlashAttention (3 on Hopper, 4 on Blackwell) takes sink logits
+SINK_CAPABILITY_MAJORS = (9, 10)
 
 
 def _check_one_head_size(spec, layer_names=()) -> None:

@@ -111,10 +111,11 @@ def _patch_cpu_selection() -> None:
 def cpu_refusals(attn_selector_config) -> list[str]:
     """The backend's validate_configuration, as vLLM runs it on CUDA (head size, block size,
     dtype, attention type, ...), each reason with its way out. The CPU has no compute
-    capability: the backend's minimum (8.0) is passed so that check is the only one left out."""
+    capability, and its torch references do all that FlashAttention 3 does (sinks): Hopper's
+    9.0 is passed, so the capability checks are the only ones left out."""
     from vllm.platforms.interface import DeviceCapability
 
     from vllm_nvfp4kv.backend import NvFp4AttentionBackend
 
     return NvFp4AttentionBackend.validate_configuration(
-        device_capability=DeviceCapability(8, 0), **attn_selector_config._asdict())
+        device_capability=DeviceCapability(9, 0), **attn_selector_config._asdict())
