@@ -21,6 +21,10 @@ config.json; dummy weights). --ttft-reps N adds the time to first token of one r
 on the idle engine (median of N) at each input length:
 
     python -P -m evals.bench_e2e --model qwen3-next-8layers --inputs 32768 --ttft-reps 3
+
+One engine start per file (what a cut run leaves survives), then joined into one table:
+
+    python -P -m evals.bench_e2e --join e2e_fp8.json e2e_nvfp4.json --out e2e.json
 """
 from __future__ import annotations
 
@@ -87,7 +91,8 @@ def engine(variant: str, max_model_len: int, gpu_memory_utilization: float = 0.8
 
 
 def run(variant: str, inputs: list[int], n: int, out_tokens: int, gpu_util: float,
-        max_batched: int | None = None, model: Path = MODEL, ttft_reps: int = 0) -> dict:
+        max_batched: int | None = None, model: Path = MODEL, ttft_reps: int = 0,
+        max_seqs: int | None = None) -> dict:
     """variant: as parse_variant."""
     import statistics
 
@@ -96,6 +101,8 @@ def run(variant: str, inputs: list[int], n: int, out_tokens: int, gpu_util: floa
     kv_dtype = variant.split("+")[0]
     t0 = time.time()
     extra = dict(max_num_batched_tokens=max_batched) if max_batched else {}
+    if max_seqs:
+        extra["max_num_seqs"] = max_seqs
     llm = engine(variant, max(inputs) + out_tokens + 16, gpu_util, model, **extra)
     cfg = llm.llm_engine.vllm_config.cache_config
     # hybrid models: vLLM's attention block (block_size) may hold several kernel pages
@@ -165,16 +172,29 @@ def main():
                     "with a config.json (default llama3-8b-8layers)")
     ap.add_argument("--ttft-reps", type=int, default=0,
                     help="also time N single requests alone at each input length (TTFT)")
+    ap.add_argument("--max-num-seqs", type=int,
+                    help="engine's (default vLLM's; fewer: fewer CUDA graphs to capture)")
+    ap.add_argument("--join", nargs="+", metavar="JSON",
+                    help="join the rows of these results into --out, print the table; no "
+                         "engine")
     args = ap.parse_args()
+    if args.join:
+        parts = [common.read_json(f) for f in args.join]
+        res = {**parts[0], "rows": [r for p in parts for r in p["rows"]], "joined": args.join}
+        common.write_json(args.out, res)
+        print_table(res["rows"], sorted({int(i) for r in res["rows"]
+                                         for i in r.get("inputs", {})}))
+        return
     model = model_folder(args.model)
     res = results_header(model, requests=args.requests, output_tokens=args.output_tokens,
-                         max_num_batched_tokens=args.max_num_batched_tokens)
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_num_seqs=args.max_num_seqs)
 
     def measure(dt):
         try:
             return run(dt, args.inputs, args.requests, args.output_tokens,
                        args.gpu_memory_utilization, args.max_num_batched_tokens, model,
-                       args.ttft_reps)
+                       args.ttft_reps, args.max_num_seqs)
         except Exception as e:  # noqa: BLE001 - record the failure, keep the other dtypes
             print(dt, "failed:", e, flush=True)
             return {"kv_dtype": dt, "error": f"{type(e).__name__}: {e}"[:500]}

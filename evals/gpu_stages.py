@@ -121,12 +121,39 @@ GENERATE_LINES = r'grep -E "CUSTOM|NVFP4 KV cache|engine ready|^Q:|^A:|KV cache:
 
 # empty Triton and vLLM caches: a fresh machine's start, whatever ran before in the call
 JIT_SILENT = r'''dt=${1#jit-silent-}
-TRITON_CACHE_DIR=$(mktemp -d) VLLM_CACHE_ROOT=$(mktemp -d) timeout 570 python3 -P -m \
+TRITON_CACHE_DIR=$(mktemp -d) VLLM_CACHE_ROOT=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) \
+    timeout 570 python3 -P -m \
     evals.serve_bench --dtypes "$dt" --input-len 32768 --output-len 256 --concurrency 16 \
     --num-prompts 16 --out "$OUT/jit_silent_${GPU}_$dt.json" 2>&1 | tail -6
 grep -hoE '"(startup|warmup)_s": [0-9.]+' "$OUT/jit_silent_${GPU}_$dt.json"
 grep -hE "JIT compilation during inference|NVFP4 KV cache: kernel builds" \
     "$OUT/jit_silent_${GPU}_${dt}_$dt.log" | head -20'''
+
+# #35's architectures with dummy weights (evals/models): one engine process per dtype, each its
+# own file (a cut call keeps what finished), then joined; max-num-seqs 16 (the 16 requests):
+# fewer CUDA graphs to capture at each cold start. ARCH_DTYPES narrows a rerun.
+ARCH_MODELS = {"gemma3": "gemma3-12b-12layers", "gpt-oss": "gpt-oss-20b-8layers",
+               "qwen3-next": "qwen3-next-8layers"}
+ARCH = r'''m=$(python3 -P -c "from evals.gpu_stages import ARCH_MODELS as m; print(m['${1#arch-}'])")
+files=()
+for dt in ${ARCH_DTYPES:-fp8 nvfp4 auto}; do
+  f="$OUT/e2e_${GPU}_${m}_$dt.json"
+  timeout ${ARCH_TIMEOUT:-300} python3 -P -m evals.bench_e2e --model "$m" --dtypes $dt --inputs 32768 \
+      --requests 16 --output-tokens 129 --ttft-reps 3 --max-num-seqs 16 --out "$f" 2>&1 \
+      | grep -E "rror|failed|NVFP4 KV cache:|decode_tok_per_s"
+  [ -f "$f" ] && files+=("$f")
+done
+python3 -P -m evals.bench_e2e --join "${files[@]}" --out "$OUT/e2e_${GPU}_$m.json"'''
+
+# stages run one after another in the background (setsid: they outlive the call that starts
+# them, as long as later calls keep the machine), results under /tmp/bgout; collect them with
+# `sleep N; bash evals/gpu_bg.sh` (not through gpu_session.sh, whose install would pull the
+# package from under the running stages)
+BACKGROUND = r'''mkdir -p /tmp/bgout
+setsid nohup bash -c 'for s in '"${BG_STAGES:?BG_STAGES=\"stage ...\"}"'; do echo "== $s $(date +%T)";
+  OUT=/tmp/bgout bash evals/gpu_session.sh $s; done; echo "== done $(date +%T)"' \
+  > /tmp/bgout/bg.log 2>&1 < /dev/null &
+sleep 2; cat /tmp/bgout/bg.log'''
 
 STAGES: dict[str, Stage] = {
     # ------------------------------------------------ set-up and tests
@@ -265,6 +292,14 @@ for v in "" --no-mma-k; do echo "== profile $v"
   grep -E "Duration|DRAM Through|Registers|Achieved Occ|stalled|Warp Cycles|Issue Slot|Bank" \
     "$OUT/ncu$v.txt" | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -30
 done'''),
+    "background": Stage(
+        "the stages BG_STAGES=\"a b\" one after another in the background, results under "
+        "/tmp/bgout; each later call: `sleep N; bash evals/gpu_bg.sh` (progress, files to $OUT)",
+        BACKGROUND),
+    **{f"arch-{name}": Stage(
+        f"#35: the {model} config (dummy weights) end to end, FP8 / NVFP4 / BF16 one process "
+        "each: start-up, KV capacity, decode tok/s of 16 x 32K and one request's TTFT at 32K",
+        ARCH) for name, model in ARCH_MODELS.items()},
     # ------------------------------------------------ the dummy-weight engine (Llama-3-8B shape)
     "ws": Stage(
         "prefill through the BF16 vs the FP8 workspace (32K prompts in 2K chunks)",
