@@ -130,17 +130,20 @@ def metrics(base, run) -> dict:
     return row
 
 
-def rescaled_model(src: str, k_mult: float, v_mult: float) -> str:
+def rescaled_model(src: str, k_mult: float, v_mult: float, k_bias_mult: float = 1.0) -> str:
     """A copy of a Llama-style HF folder computing the same function with K (V) m times
     larger: k_proj x m and q_proj / m keep q.k (RoPE is linear), v_proj x m and o_proj / m keep
-    the attention output. Powers of two are exact in bf16."""
+    the attention output. Powers of two are exact in bf16. k_bias_mult: k_proj's bias (Qwen2's
+    per-channel K offsets) times this in every layer besides: another model, the same but for
+    the size of its K offsets (the reference is then that model with a BF16 cache)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
-    for m in (k_mult, v_mult):
+    for m in (k_mult, v_mult, k_bias_mult):
         if m <= 0 or not math.log2(m).is_integer():
-            raise SystemExit("--k-mult / --v-mult must be powers of two")
-    out = Path(src).parent / f"{Path(src).name}-k{k_mult:g}-v{v_mult:g}"
+            raise SystemExit("--k-mult / --v-mult / --k-bias-mult must be powers of two")
+    kb = f"-kb{k_bias_mult:g}" if k_bias_mult != 1 else ""
+    out = Path(src).parent / f"{Path(src).name}-k{k_mult:g}-v{v_mult:g}{kb}"
     if (out / "config.json").exists():
         return str(out)
     tmp = out.with_name(out.name + ".tmp")
@@ -155,6 +158,8 @@ def rescaled_model(src: str, k_mult: float, v_mult: float) -> str:
             for proj, m in mult.items():
                 if f".{proj}." in n and m != 1:
                     w[n] = (w[n].float() * m).to(w[n].dtype)
+            if n.endswith("k_proj.bias") and k_bias_mult != 1:
+                w[n] = (w[n].float() * k_bias_mult).to(w[n].dtype)
         save_file(w, f, metadata={"format": "pt"})
     tmp.rename(out)
     return str(out)
@@ -181,6 +186,9 @@ def main():
                     help="KV block size (default 16; 32 for --variants on a CPU)")
     ap.add_argument("--k-mult", type=float, default=1.0)
     ap.add_argument("--v-mult", type=float, default=1.0)
+    ap.add_argument("--k-bias-mult", type=float, default=1.0,
+                    help="score a model whose k_proj bias (Qwen2's K offsets) is this times "
+                         "the original's, in every layer (a power of two)")
     ap.add_argument("--dump", help=argparse.SUPPRESS)  # one dtype's per-token data (variants)
     ap.add_argument("--plot", nargs="+", metavar=("PNG", "JSON"),
                     help="no run: plot the KL of recorded result files into PNG")
@@ -192,8 +200,8 @@ def main():
     on_gpu = common.engine_env()
     name = args.model or "smollm2"
     model = str(assets.MODELS[name]()) if name in assets.MODELS else name
-    if args.k_mult != 1 or args.v_mult != 1:
-        model = rescaled_model(model, args.k_mult, args.v_mult)
+    if args.k_mult != 1 or args.v_mult != 1 or args.k_bias_mult != 1:
+        model = rescaled_model(model, args.k_mult, args.v_mult, args.k_bias_mult)
     if args.variants:
         return variants(args, model, on_gpu)
     texts = gsm8k_texts(args.texts)
@@ -323,7 +331,7 @@ def variants(args, model, on_gpu):
              if k not in ("NVFP4KV_CALIBRATE", "NVFP4KV_SCALES_FILE", "NVFP4KV_WORKSPACE_DTYPE",
                           "NVFP4KV_FOUR_OVER_SIX")}  # its newer name is set by the rows
     res = {**header(model, args.texts, args.chunk, bs, args.topk, on_gpu, k_mult=args.k_mult,
-                    v_mult=args.v_mult,
+                    v_mult=args.v_mult, k_bias_mult=args.k_bias_mult,
                     scales_files={k[1:-1]: str(f) for k, (f, _) in files.items()}),
            "rows": rows}
     for name, dtype, env in VARIANTS[args.variants]:
