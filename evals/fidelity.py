@@ -210,8 +210,9 @@ def main():
         Path(args.dump).write_text(json.dumps(
             score(model, args.dtypes[0], texts, args.chunk, on_gpu, args.topk, bs)))
         return
-    res = header(model, len(texts), args.chunk, bs, args.topk, on_gpu, nvfp4kv_env={
-        k: v for k, v in os.environ.items() if k.startswith("NVFP4KV_")})
+    res = header(model, len(texts), args.chunk, bs, args.topk, on_gpu, k_mult=args.k_mult,
+                 v_mult=args.v_mult, k_bias_mult=args.k_bias_mult, nvfp4kv_env={
+                     k: v for k, v in os.environ.items() if k.startswith("NVFP4KV_")})
     base = None
     for dt in args.dtypes:
         try:
