@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import time
 from pathlib import Path
@@ -78,21 +79,22 @@ def parse_variant(variant: str) -> tuple[str, dict]:
 
 
 def engine(variant: str, max_model_len: int, gpu_memory_utilization: float = 0.85,
-           model: Path = MODEL, **extra):
+           model: Path = MODEL, additional_config: dict | None = None, **extra):
     """vLLM in this process (dummy weights, a model folder) for a kv_cache_dtype, or nvfp4
-    with options (parse_variant; given to the engine as additional_config)."""
+    with options (parse_variant; given to the engine as additional_config, beside the
+    engine's other additional_config entries)."""
     from vllm import LLM
     kv_dtype, options = parse_variant(variant)
+    config = dict(additional_config or {}, **({"nvfp4kv": options} if options else {}))
     return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True,
                dtype="bfloat16", kv_cache_dtype=kv_dtype,
                max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-               enable_prefix_caching=False, seed=0,
-               additional_config={"nvfp4kv": options} if options else {}, **extra)
+               enable_prefix_caching=False, seed=0, additional_config=config, **extra)
 
 
 def run(variant: str, inputs: list[int], n: int, out_tokens: int, gpu_util: float,
         max_batched: int | None = None, model: Path = MODEL, ttft_reps: int = 0,
-        max_seqs: int | None = None) -> dict:
+        max_seqs: int | None = None, additional_config: dict | None = None) -> dict:
     """variant: as parse_variant."""
     import statistics
 
@@ -103,7 +105,8 @@ def run(variant: str, inputs: list[int], n: int, out_tokens: int, gpu_util: floa
     extra = dict(max_num_batched_tokens=max_batched) if max_batched else {}
     if max_seqs:
         extra["max_num_seqs"] = max_seqs
-    llm = engine(variant, max(inputs) + out_tokens + 16, gpu_util, model, **extra)
+    llm = engine(variant, max(inputs) + out_tokens + 16, gpu_util, model, additional_config,
+                 **extra)
     cfg = llm.llm_engine.vllm_config.cache_config
     # hybrid models: vLLM's attention block (block_size) may hold several kernel pages
     row = {"kv_dtype": variant, "startup_s": round(time.time() - t0, 1),
@@ -174,6 +177,9 @@ def main():
                     help="also time N single requests alone at each input length (TTFT)")
     ap.add_argument("--max-num-seqs", type=int,
                     help="engine's (default vLLM's; fewer: fewer CUDA graphs to capture)")
+    ap.add_argument("--additional-config", type=json.loads, default=None,
+                    help="the engine's additional_config (JSON), e.g. '{\"gdn_prefill_backend\": "
+                         "\"triton\"}' for Qwen3-Next on a GPU without FlashInfer's GDN kernel")
     ap.add_argument("--join", nargs="+", metavar="JSON",
                     help="join the rows of these results into --out, print the table; no "
                          "engine")
@@ -188,13 +194,14 @@ def main():
     model = model_folder(args.model)
     res = results_header(model, requests=args.requests, output_tokens=args.output_tokens,
                          max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_num_seqs=args.max_num_seqs)
+                         max_num_seqs=args.max_num_seqs,
+                         additional_config=args.additional_config)
 
     def measure(dt):
         try:
             return run(dt, args.inputs, args.requests, args.output_tokens,
                        args.gpu_memory_utilization, args.max_num_batched_tokens, model,
-                       args.ttft_reps, args.max_num_seqs)
+                       args.ttft_reps, args.max_num_seqs, args.additional_config)
         except Exception as e:  # noqa: BLE001 - record the failure, keep the other dtypes
             print(dt, "failed:", e, flush=True)
             return {"kv_dtype": dt, "error": f"{type(e).__name__}: {e}"[:500]}

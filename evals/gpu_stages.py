@@ -134,12 +134,17 @@ grep -hE "JIT compilation during inference|NVFP4 KV cache: kernel builds" \
 # fewer CUDA graphs to capture at each cold start. ARCH_DTYPES narrows a rerun.
 ARCH_MODELS = {"gemma3": "gemma3-12b-12layers", "gpt-oss": "gpt-oss-20b-8layers",
                "qwen3-next": "qwen3-next-8layers"}
+# vLLM 0.26 picks FlashInfer's Gated-DeltaNet prefill on SM90, whose kernel the bundle lacks
+# ("SM90 GDN prefill DSL kernel is unavailable" at the first prefill, 2026-12-07): its Triton one
+ARCH_ENGINE_CONFIG = {"qwen3-next": '{"gdn_prefill_backend": "triton"}'}
 ARCH = r'''m=$(python3 -P -c "from evals.gpu_stages import ARCH_MODELS as m; print(m['${1#arch-}'])")
+cfg=$(python3 -P -c "from evals.gpu_stages import ARCH_ENGINE_CONFIG as c; print(c.get('${1#arch-}', '{}'))")
 files=()
 for dt in ${ARCH_DTYPES:-fp8 nvfp4 auto}; do
   f="$OUT/e2e_${GPU}_${m}_$dt.json"
   timeout ${ARCH_TIMEOUT:-300} python3 -P -m evals.bench_e2e --model "$m" --dtypes $dt --inputs 32768 \
-      --requests 16 --output-tokens 129 --ttft-reps 3 --max-num-seqs 16 --out "$f" 2>&1 \
+      --requests 16 --output-tokens 129 --ttft-reps 3 --max-num-seqs 16 \
+      --additional-config "$cfg" --out "$f" 2>&1 \
       | grep -E "rror|failed|NVFP4 KV cache:|decode_tok_per_s"
   [ -f "$f" ] && files+=("$f")
 done
