@@ -213,6 +213,8 @@ def main():
 def print_table(rows: list[dict], inputs: list[int]) -> None:
     """Per dtype: start-up, capacity, and per input length decode tok/s, the batch's prefill
     time and (with --ttft-reps) one request's TTFT; ratios against fp8 where it ran."""
+    def at(row, length):  # JSON read back has string keys
+        return row["inputs"].get(length) or row["inputs"].get(str(length))
     base = next((r for r in rows if r["kv_dtype"] == "fp8" and "error" not in r), None)
     print(f"{'kv':>12} {'start s':>8} {'capacity':>10} {'x fp8':>6} "
           + " ".join(f"{'in' + str(i):>36}" for i in inputs))
@@ -223,10 +225,10 @@ def print_table(rows: list[dict], inputs: list[int]) -> None:
         cap_x = f"{r['kv_capacity_tokens'] / base['kv_capacity_tokens']:.2f}" if base else "-"
         cells = []
         for i in inputs:
-            c = r["inputs"].get(i) or r["inputs"].get(str(i))
+            c = at(r, i)
             if not c:
                 continue
-            b = base and (base["inputs"].get(i) or base["inputs"].get(str(i)))
+            b = base and at(base, i)
             x = f"({c['decode_tok_per_s'] / b['decode_tok_per_s']:.2f}x)" if b else ""
             ttft = f" ttft {c['ttft_s']:.3f}s" if "ttft_s" in c else ""
             cells.append(f"{c['decode_tok_per_s']:>8} tok/s{x} {c['prefill_s']:.1f}s{ttft}")
