@@ -236,6 +236,13 @@ timeout 240 python3 -P -m evals.generate 2>&1 | tee "$OUT/generate_${{GPU}}.log"
         r'''timeout 560 python3 -P -m evals.bench_decode --ab --out "$OUT/decode_ab_${GPU}.json" \
     ${AB_VARIANTS:+--variants $AB_VARIANTS} \
     2>&1 | quiet | tail -22'''),
+    "ab-floor": Stage(
+        "A/B of a floor of 4 tiles per split (variant floor4) against the default, the "
+        "split count sized for a 128K max_model_len as the backend does, at batch 1-16",
+        r'''timeout 400 python3 -P -m evals.bench_decode --ab --variants floor4 \
+    --heads 32/8/128 12/2/128 9/3/64 16/2/256 --split-len 131072 --rep-ms 25 \
+    --shapes 1x8192 1x32768 1x131072 2x32768 4x8192 16x8192 \
+    --out "$OUT/decode_ab_floor_${GPU}.json" 2>&1 | quiet | tail -30'''),
     "splits": Stage(
         "the split-KV count sweep; SPLIT_SHAPES=\"8x32768 16x131072\": other shapes "
         "(BATCHxCTX)",

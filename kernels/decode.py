@@ -58,7 +58,7 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
                    SPLIT: tl.constexpr, USE_ASM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, MMA_K: tl.constexpr,
                    NW: tl.constexpr, V_HALVES: tl.constexpr, MMA_V: tl.constexpr,
-                   BT_AHEAD: tl.constexpr = False):
+                   BT_AHEAD: tl.constexpr = False, MIN_SPLIT_TILES: tl.constexpr = 1):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,7 +68,10 @@ def _decode_kernel(q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, k_scale_ptr,
         start = tl.maximum(seq_len - window, 0)
     base = start // 16 * 16
     if SPLIT:
-        per_split = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+        tiles = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N)
+        if MIN_SPLIT_TILES > 1:  # fewer, longer splits where the sequence is short for the count
+            tiles = tl.maximum(tiles, MIN_SPLIT_TILES)
+        per_split = tiles * BLOCK_N
     else:  # num_splits == 1 (not specialised on: the same code as if it were)
         per_split = tl.cdiv(seq_len - base, BLOCK_N) * BLOCK_N
     lo = base + split * per_split
@@ -288,6 +291,10 @@ DECODE_VARIANTS = {
     # at most 64 splits at every grid, small ones included (max_splits; a split rule: the
     # backend's metadata builder follows it too)
     "cap64": dict(split_rule="waves_cap64"),
+    # at least 4 tiles per split: a sequence shorter than the split count's 4 tiles each
+    # leaves the splits past its end empty (the count is sized for max_model_len, a batch
+    # shape's choice, so at 32K of a 128K model 128 splits get 2 tiles each)
+    "floor4": dict(min_split_tiles=4),
 }
 
 
@@ -434,7 +441,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      v_halves: bool = True, mma_v: bool | None = None,
                      bt_ahead: bool | None = None,
                      split_rule: str = DEFAULT_SPLIT_RULE,
-                     launches: dict | None = None) -> torch.Tensor:
+                     launches: dict | None = None, min_split_tiles: int = 1) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] (bf16/fp16; one token per sequence) over the NVFP4
     cache [num_blocks, 2*Hkv, N, D/2 + D/16] uint8. block_table [B, max_blocks] int32,
     seq_lens [B] int32 (tokens including this step's, already written to the cache). Writes
@@ -459,7 +466,9 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     rules; choose_num_splits).
     launches: {head_dim: HopperLaunch} replacing HOPPER_LAUNCHES' (a DECODE_VARIANTS entry's):
     the tile and split count where not given, and the register cap of a launch with K and V^T
-    in the MMA layouts in that launch's tile size."""
+    in the MMA layouts in that launch's tile size.
+    min_split_tiles: tiles each split walks at least (the splits past a sequence's end stay
+    empty)."""
     bsz, hq, d = q.shape
     nb, two_h, n, _ = kv_cache.shape
     hkv = two_h // 2
@@ -512,7 +521,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         HAS_SINKS=sinks is not None,
         MMA_K=mma_k, NW=num_warps,
         V_HALVES=v_halves and d >= 32, MMA_V=mma_v, BT_AHEAD=bt_ahead,
-        num_warps=num_warps,
+        MIN_SPLIT_TILES=min_split_tiles, num_warps=num_warps,
         num_stages=num_stages, **({} if maxnreg is None else {"maxnreg": maxnreg}))
     if num_splits > 1:
         _reduce_kernel[(bsz, hq)](

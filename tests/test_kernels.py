@@ -897,6 +897,20 @@ def test_decode_head_dim_variants(device, variant):
     _check_decode(out, ref, seq_lens)
 
 
+@pytest.mark.parametrize("window", [None, 700])
+def test_decode_split_floor(device, window):
+    """min_split_tiles (the floor4 variant): 16 splits of at least 4 tiles of 64 tokens leave
+    the splits past each short sequence's end empty; the result matches the reference with
+    and without a sliding window."""
+    seq_lens = [1500, 300, 9, 0]
+    cache, table, q, sl = _decode_case(device, 128, 16, 2, 2, seq_lens, seed=13)
+    ref = _ref_decode(q, cache, table, sl, 0.1, 1.0, 1.0, sliding_window=window)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    K.decode_attention(q, cache, table, sl, out, 0.1, 1.0, 1.0, sliding_window=window,
+                       num_splits=16, block_n=64, min_split_tiles=4)
+    _check_decode(out, ref, seq_lens)
+
+
 def _spy_splits(monkeypatch, dec) -> list:
     """The split count (grid's third axis) of every decode launch from now on."""
     seen, kernel = [], dec._decode_kernel
