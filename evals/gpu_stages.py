@@ -308,6 +308,12 @@ done'''),
         "the stages BG_STAGES=\"a b\" one after another in the background, results under "
         "/tmp/bgout; each later call: `sleep N; bash evals/gpu_bg.sh` (progress, files to $OUT)",
         BACKGROUND),
+    "site-extra": Stage(
+        "bundle parts that arrived while a background chain ran, unpacked then into "
+        "/tmp/site-extra (`SITE=/tmp/site-extra bash .gpu/pK/install-bundle`), added to "
+        "/tmp/site (a stage of BG_STAGES, between the stages that ran without them and those "
+        "that need them)",
+        r'''cp -rn /tmp/site-extra/. /tmp/site/ && ls /tmp/site-extra'''),
     **{f"arch-{name}": Stage(
         f"#35: the {model} config (dummy weights) end to end, FP8 / NVFP4 / BF16 one process "
         "each: start-up, KV capacity, decode tok/s of 16 x 32K and one request's TTFT at 32K",

@@ -330,7 +330,7 @@ def _mid(k):
 
 @pytest.mark.parametrize("rotate_k", ["0", "1"])
 def test_online_k_centering_at_the_first_real_batch(rotate_k):
-    """NVFP4KV_CENTER_K=auto (the default), no scales file: the warm-up batch (all slots -1)
+    """NVFP4KV_CENTER_K=auto, no scales file: the warm-up batch (all slots -1)
     leaves mu at zero; the first real batch shows the outlier pair and sets mu to its
     mid-range in place (the tensor CUDA graphs captured), and decode is close to exact as
     with a calibrated file; with 0 the outlier stays and decode is far off."""
@@ -416,12 +416,13 @@ def test_online_k_centering_only_where_needed():
     mu = torch.full((H, D), 0.5)
     _, filed = _decode_error(k, v, q, mu, None, "1", with_impl=True)
     assert not filed.adaptation.online_center and (filed.space.k_sub == 0.5).all()
-    with mock.patch.dict("os.environ", {"NVFP4KV_CENTER_K": "auto"}), \
-            mock.patch.object(adaptation, "k_transform", lambda layer, dev, cfg: (None, None)):
-        for kw in ({"sinks": torch.zeros(HQ)}, {"logits_soft_cap": 30.0}):
-            impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4", **kw)
-            impl.adaptation.on_first_eager_write(SimpleNamespace(layer_name="l0"), k)
-            assert not impl.adaptation.online_center and impl.space.k_sub is None
+    for mode in ("1", "auto"):
+        with mock.patch.dict("os.environ", {"NVFP4KV_CENTER_K": mode}), \
+                mock.patch.object(adaptation, "k_transform", lambda layer, dev, cfg: (None, None)):
+            for kw in ({"sinks": torch.zeros(HQ)}, {"logits_soft_cap": 30.0}):
+                impl = NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4", **kw)
+                impl.adaptation.on_first_eager_write(SimpleNamespace(layer_name="l0"), k)
+                assert not impl.adaptation.online_center and impl.space.k_sub is None
     with mock.patch.dict("os.environ", {"NVFP4KV_CENTER_K": "yes"}), \
             pytest.raises(ValueError, match="NVFP4KV_CENTER_K"):
         NvFp4AttentionImpl(HQ, D, D ** -0.5, H, None, None, "nvfp4")

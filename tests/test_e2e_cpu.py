@@ -40,13 +40,14 @@ def outputs():
     from vllm_nvfp4kv import prefill
     sp = SamplingParams(max_tokens=12, temperature=0, detokenize=False)
     res = {}
-    for dtype in ("auto", "nvfp4", "nvfp4 centered"):
-        # center_k 1: every layer centered online (auto waits for outlier channels, which
-        # dummy weights do not have), given as vLLM's additional_config (the engine's options)
+    for dtype in ("auto", "nvfp4", "nvfp4 center_k=auto"):
+        # the default centers every layer online; center_k auto waits for outlier channels,
+        # which dummy weights do not have (given as vLLM's additional_config, the engine's
+        # options)
         with pytest.MonkeyPatch.context() as mp:
-            mp.delenv("NVFP4KV_CENTER_K", raising=False)  # the default, auto
-            kw = dict(additional_config={"nvfp4kv": {"center_k": "1"}}) \
-                if dtype == "nvfp4 centered" else {}
+            mp.delenv("NVFP4KV_CENTER_K", raising=False)  # the default, 1
+            kw = dict(additional_config={"nvfp4kv": {"center_k": "auto"}}) \
+                if dtype == "nvfp4 center_k=auto" else {}
             llm = _llm(dtype.split()[0], **kw)
         calls = []
         orig = prefill.gather_into
@@ -87,11 +88,12 @@ def test_greedy_tokens_match_bf16_cache(outputs):
 
 
 def test_online_k_centering_in_the_engine(outputs):
-    """center_k=1 (additional_config={"nvfp4kv": {"center_k": "1"}}) through a real engine:
-    every layer's offsets were set from its first real batch (after vLLM's dummy runs), and
-    the outputs still match the BF16 cache. With the default (auto) the offsets are reserved
-    but stay zero: dummy K has no outlier channels."""
-    o = outputs["nvfp4 centered"]
+    """The default (center_k=1) through a real engine: every layer's offsets were set from its
+    first real batch (after vLLM's dummy runs), and the outputs match the BF16 cache. With
+    center_k=auto (additional_config={"nvfp4kv": {"center_k": "auto"}}) the offsets are
+    reserved but stay zero: dummy K has no outlier channels."""
+    o = outputs["nvfp4"]
     assert o["k_sub"] and all(k is not None and k.abs().sum() > 0 for k in o["k_sub"])
-    assert all(k is not None and (k == 0).all() for k in outputs["nvfp4"]["k_sub"])
-    assert o["tokens"] == outputs["auto"]["tokens"]
+    auto = outputs["nvfp4 center_k=auto"]
+    assert all(k is not None and (k == 0).all() for k in auto["k_sub"])
+    assert auto["tokens"] == outputs["auto"]["tokens"]

@@ -67,13 +67,15 @@ class NvFp4KVConfig:
     Cost: the writer tries 4 scales per block (`4over6`: 2), a few microseconds per decode
     write and under 1% of a long prefill."""
 
-    center_k: str = field(default="auto", metadata=_choices("auto", "1", "0"))
-    """K centering without a scales file. Where a layer's first real batch shows K outlier
-    channels (max / median channel amax > 48, e.g. Qwen2's k_proj bias), which 4-bit blocks
-    of 16 cannot hold, that layer and every later one cache K - mu, mu the batch's
-    per-channel mid-range; softmax ignores the constant q.mu it adds to every score. `1`:
-    every layer; `0`: never. A scales file's centering comes first; layers with sinks or a
-    soft-cap are never centered.
+    center_k: str = field(default="1", metadata=_choices("1", "auto", "0"))
+    """K centering without a scales file: each layer caches K - mu, mu the per-channel
+    mid-range of its first real batch; softmax ignores the constant q.mu this adds to every
+    score, and 4-bit blocks of 16 no longer spend their range on a channel's offset (a k_proj
+    bias as in Qwen2, which without it collapses the model). `auto`: only once a layer's first
+    batch shows K outlier channels (max / median channel amax > 48), then that layer and every
+    later one, a threshold a model can sit on either side of (evals/RESULTS.md); `0`: never.
+    A scales file's centering comes first; layers with sinks or a soft-cap are never centered
+    (the shift would change their results).
 
     Cost: one subtraction on the K written (inside the writer with `fuse_transforms`)."""
 
@@ -88,8 +90,8 @@ class NvFp4KVConfig:
     the Q rows that read the cache."""
 
     adapt_at_startup: bool = True
-    """The choices made from a layer's first batch of real tokens (`center_k` and `rotate_k`
-    `auto`, `calibrate` `online`) are made while the engine starts, from one request of its
+    """The choices made from a layer's first batch of real tokens (`center_k`'s offsets,
+    `rotate_k` `auto`, `calibrate` `online`) are made while the engine starts, from one request of its
     own: a built-in text of prose, code and numbers (up to 512 tokens). So they are the same
     at every start, whatever the traffic. `false`: from the first request served. Not with
     data parallelism or `calibrate` `collect`.
