@@ -96,6 +96,8 @@ def _run(device, capacity, window=None, softcap=0.0, with_sinks=False, rotated=F
                               for b, (c, n) in enumerate(REQS)])
     with mock.patch.dict("os.environ",
                          {"NVFP4KV_WORKSPACE_DTYPE": "fp8" if fp8_workspace else "auto",
+                          # the history above is written without online centering's offsets
+                          "NVFP4KV_CENTER_K": "0",
                           "NVFP4KV_ROTATE_K": "1" if rotated else "0",
                           "NVFP4KV_ROTATE_V": "1" if rotated else "0"}), \
             mock.patch.object(adaptation, "k_transform",
