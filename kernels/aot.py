@@ -27,7 +27,7 @@ DIV16 = ("page_stride", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "str
 def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int = 128,
                       mma_k: bool = True, features: bool = False,
                       v_halves: bool = True, mma_v: bool = True, bt_ahead: bool = False,
-                      kv_heads: int = 8) -> dict:
+                      kv_heads: int = 8, min_split_tiles: int = 1) -> dict:
     """The decode kernel's constexprs as decode_attention sets them (Llama-3-8B heads, page
     16, several splits); features: softcap, sliding window and sinks on."""
     mma_k = mma_k and mma_k_applies(d, warps, block_n)
@@ -35,7 +35,8 @@ def decode_constexprs(block_n: int = 128, warps: int = 4, qpk: int = 4, d: int =
                 G_PAD=triton.next_power_of_2(d // 16), BLOCK_N=block_n, SPLIT=True,
                 USE_ASM=True, HAS_SOFTCAP=features, HAS_WINDOW=features, HAS_SINKS=features,
                 MMA_K=mma_k, NW=warps, V_HALVES=v_halves,
-                MMA_V=mma_v and mma_k and warps == 4, BT_AHEAD=bt_ahead)
+                MMA_V=mma_v and mma_k and warps == 4, BT_AHEAD=bt_ahead,
+                MIN_SPLIT_TILES=min_split_tiles)
 
 
 def compile_hopper_decode(d: int, qpk: int = 4, kv_heads: int = 8, launches: dict | None = None,

@@ -125,6 +125,7 @@ def test_backend_writes_with_the_calibrated_scales(monkeypatch):
     pytest.importorskip("vllm")
     from vllm_nvfp4kv.backend import NvFp4AttentionImpl
     monkeypatch.setenv("NVFP4KV_CALIBRATE", "online")
+    monkeypatch.setenv("NVFP4KV_CENTER_K", "0")  # the scales alone (K as rotated, uncentered)
     impl = NvFp4AttentionImpl(4, D, D ** -0.5, H, None, None, "nvfp4")
     assert impl.space.rotate_k  # default for power-of-two head sizes
     layer = _layer()

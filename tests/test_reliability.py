@@ -730,9 +730,11 @@ def test_mixed_batch_no_cross_request_leakage(device, monkeypatch):
     (0 * NaN) before the backend sanitised them."""
     pytest.importorskip("vllm")
     from vllm_nvfp4kv import prefill
-    # K's rotation is chosen per layer from its first real batch, all requests' rows
-    # together (NVFP4KV_ROTATE_K=auto): a shared choice by design, fixed here
+    # K's rotation and centering offsets are chosen per layer from its first real batch, all
+    # requests' rows together (an engine's start-up request makes that batch): shared
+    # choices by design, fixed here
     monkeypatch.setenv("NVFP4KV_ROTATE_K", "0")
+    monkeypatch.setenv("NVFP4KV_CENTER_K", "0")
     attend = prefill.dense_attention
 
     def finite_kv_only(q, k, v, *args, **kwargs):
@@ -832,7 +834,11 @@ def test_prefix_cache_reuse_of_another_requests_block(device):
         else rotate if impl.space.rotate_k else (lambda x: x)
     pk, pv = R.gather_cache(cache.cpu(), tb.cpu(), torch.tensor([0, 32]),
                             torch.zeros(1, dtype=torch.int32), d, 0.7, 1.3)
-    exp = R.attention(rot(qb.float()), torch.cat([pk, rot(kb.float())]),
+    # the chunk's exact K as the cache holds K: less the centering offsets from A's batch
+    # (in the model's dtype), which shift every score of a query alike
+    mu = impl.space.k_sub.cpu().float() if impl.space.k_sub is not None else 0.0
+    kb_c = (kb.float() - mu).bfloat16().float()
+    exp = R.attention(rot(qb.float()), torch.cat([pk, rot(kb_c)]),
                       torch.cat([pv, vb.float()]), d ** -0.5, torch.arange(32, 42))
     torch.testing.assert_close(out_b.cpu(), exp, atol=2e-2, rtol=2e-2)
 
