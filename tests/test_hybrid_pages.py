@@ -35,6 +35,17 @@ MODEL = Path(__file__).resolve().parents[1] / "evals" / "models" / "qwen3-next-8
 GPU_DEFAULT_BLOCK = 16  # what vLLM's phase 1 picks on a GPU for both backends
 
 
+@pytest.fixture(autouse=True)
+def _gpu_state_dtype(monkeypatch):
+    """The GPU engine's state dtype: vLLM's CPU platform resets the SSM cache dtype to float32
+    for its accelerated Gated-DeltaNet where the host CPU has AMX tiles (0.26) or AVX-512 BF16
+    (0.32), which would make the result depend on the machine the tests run on."""
+    import torch
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        if hasattr(torch.cpu, probe):
+            monkeypatch.setattr(torch.cpu, probe, lambda: False)
+
+
 def engine_config(kv_cache_dtype: str, ssm_dtype: str = "auto", prefix_caching: bool = False,
                   **overrides):
     from vllm.engine.arg_utils import EngineArgs
