@@ -91,10 +91,10 @@ class NvFp4KVConfig:
 
     adapt_at_startup: bool = True
     """The choices made from a layer's first batch of real tokens (`center_k`'s offsets,
-    `rotate_k` `auto`, `calibrate` `online`) are made while the engine starts, from one request of its
-    own: a built-in text of prose, code and numbers (up to 512 tokens). So they are the same
-    at every start, whatever the traffic. `false`: from the first request served. Not with
-    data parallelism or `calibrate` `collect`.
+    `rotate_k` `auto`, `calibrate` `online`) are made while the engine starts, from one
+    request of its own: a built-in text of prose, code and numbers (up to 512 tokens). So
+    they are the same at every start, whatever the traffic. `false`: from the first request
+    served. Not with data parallelism or `calibrate` `collect`.
 
     Cost: one prefill of up to 512 tokens at engine start."""
 
