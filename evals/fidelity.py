@@ -391,14 +391,17 @@ OPTIONS = {  # name -> environment of the run (every option explicit: defaults m
     "nvfp4 + rotate K + 4over6": _opts("4over6", "1", "0"),
     "nvfp4 + rotate K + search": _opts("search", "1", "0"),
     "nvfp4 + rotate K auto + 4over6": _opts("4over6", "auto", "0"),
-    "nvfp4 + rotate K auto + search (the defaults)": _opts("search", "auto", "0"),
+    "nvfp4 + rotate K auto + search (the defaults before centering every layer)":
+        _opts("search", "auto", "0"),
+    "nvfp4 + rotate K auto + search + center K (the defaults)":
+        _opts("search", "auto", "0", center_k="1"),
     "nvfp4 + rotate K,V": _opts("amax6", "1", "1"),
     "nvfp4 + rotate K,V + 4over6": _opts("4over6", "1", "1"),
 }
 VARIANTS["options"] = [("bf16 (auto)", "auto", {})] + [(name, "nvfp4", env)
                                                        for name, env in OPTIONS.items()]
 # the block-scale rules with every other option at its default (K's rotation chosen per
-# layer, K centering where K has outlier channels)
+# layer, K centered in every layer)
 VARIANTS["block-scales"] = [("bf16 (auto)", "auto", {})] + [
     (f"nvfp4, defaults, {rule} block scales", "nvfp4", {"NVFP4KV_BLOCK_SCALES": rule})
     for rule in ("amax6", "4over6", "search")]
